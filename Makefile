@@ -1,0 +1,37 @@
+# Two entry points for a newcomer: `make demo` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+TORCH_VERSION := 2.13.0
+
+.PHONY: demo test install system-deps lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch is pinned here (the machine's CPU build); the package itself requires torch>=2.4.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev,redis]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages the integration tests use (redis-server); installed only when missing and
+# when we are root with apt-get, otherwise those tests skip with a reason.
+system-deps:
+	@bash scripts/install-system-deps.sh
+
+demo: install
+	$(VENV)/bin/torsh-dist train --nproc-per-node 2 --preset tiny
+
+test: install system-deps
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

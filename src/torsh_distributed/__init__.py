@@ -1,0 +1,53 @@
+"""torsh-distributed: distributed training and inference of PyTorch models.
+
+The public API is small: start a job with :func:`init`, ask where you are with :func:`rank` and
+friends, stop with :func:`shutdown`. Submodules hold the rest: ``runtime`` (stores, errors),
+``testing`` (multi-rank harness), ``train`` (the built-in trainer), ``cli`` (``torsh-dist``).
+"""
+
+from torsh_distributed.runtime import (
+    CheckpointError,
+    CommunicationError,
+    ConfigurationError,
+    DistributedTimeoutError,
+    FeatureNotAvailableError,
+    ProcessFailureError,
+    RankOutOfRangeError,
+    Runtime,
+    TorshDistributedError,
+    WorldInfo,
+    barrier,
+    init,
+    is_initialized,
+    local_rank,
+    local_world_size,
+    node_rank,
+    rank,
+    shutdown,
+    world_size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CommunicationError",
+    "ConfigurationError",
+    "DistributedTimeoutError",
+    "FeatureNotAvailableError",
+    "ProcessFailureError",
+    "RankOutOfRangeError",
+    "Runtime",
+    "TorshDistributedError",
+    "WorldInfo",
+    "__version__",
+    "barrier",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_world_size",
+    "node_rank",
+    "rank",
+    "shutdown",
+    "world_size",
+]

@@ -1,0 +1,35 @@
+"""``torsh-dist``: one command line for launching, training and inspecting jobs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from torsh_distributed import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torsh-dist",
+        description="torsh-distributed: launch and train PyTorch models across processes and hosts.",
+    )
+    parser.add_argument("--version", action="version", version=f"torsh-dist {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    from torsh_distributed.cli import run as run_cmd
+    from torsh_distributed.cli import train as train_cmd
+
+    run_cmd.register(sub)
+    train_cmd.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Runtime: init/shutdown, world info, environment detection, stores and errors."""
+
+from torsh_distributed.runtime.env import (
+    ClusterEnvironment,
+    MPIEnvironment,
+    SlurmEnvironment,
+    TorchrunEnvironment,
+    WorldInfo,
+    detect_environment,
+)
+from torsh_distributed.runtime.errors import (
+    CheckpointError,
+    CommunicationError,
+    ConfigurationError,
+    DistributedTimeoutError,
+    FeatureNotAvailableError,
+    ProcessFailureError,
+    RankOutOfRangeError,
+    TorshDistributedError,
+)
+from torsh_distributed.runtime.world import (
+    Runtime,
+    barrier,
+    current,
+    init,
+    is_initialized,
+    local_rank,
+    local_world_size,
+    node_rank,
+    rank,
+    shutdown,
+    world_size,
+)
+
+__all__ = [
+    "CheckpointError",
+    "ClusterEnvironment",
+    "CommunicationError",
+    "ConfigurationError",
+    "DistributedTimeoutError",
+    "FeatureNotAvailableError",
+    "MPIEnvironment",
+    "ProcessFailureError",
+    "RankOutOfRangeError",
+    "Runtime",
+    "SlurmEnvironment",
+    "TorchrunEnvironment",
+    "TorshDistributedError",
+    "WorldInfo",
+    "barrier",
+    "current",
+    "detect_environment",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_world_size",
+    "node_rank",
+    "rank",
+    "shutdown",
+    "world_size",
+]

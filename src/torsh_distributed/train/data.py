@@ -1,0 +1,123 @@
+"""The built-in corpus (Python's own standard library source) and a deterministic sampler.
+
+Each ``.py`` file directly in the standard library directory is read as bytes, in sorted order,
+until ``max_bytes``. A file goes to validation when a hash of its *name* falls below
+``val_percent``, so the split does not depend on the order of reading or on ``max_bytes``.
+
+Sampling is a pure function of ``(seed, step)``: the global batch for a step is drawn once and
+rank ``r`` of ``n`` takes rows ``[r*B/n, (r+1)*B/n)``. Runs at different world sizes with the
+same flags therefore see exactly the same samples per step, which is what makes data-parallel
+training comparable to single-process training (and resumable at any step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torsh_distributed.train.config import DataConfig
+
+__all__ = ["Corpus", "load_corpus", "sample_batch"]
+
+_SEPARATOR = b"\n\n# ---- %s ----\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    """Train and validation token streams (one token per byte)."""
+
+    train: torch.Tensor
+    """1-D int64 tensor of training tokens."""
+    val: torch.Tensor
+    """1-D int64 tensor of validation tokens."""
+    num_files: int
+    """How many source files were read."""
+    root: str
+    """Directory the files came from."""
+
+
+def _is_val(name: str, val_percent: int) -> bool:
+    digest = hashlib.sha256(name.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < val_percent
+
+
+def _tokens(parts: list[bytes]) -> torch.Tensor:
+    data = b"".join(parts)
+    if not data:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def load_corpus(config: DataConfig, *, min_tokens: int = 0) -> Corpus:
+    """Read the corpus described by ``config``.
+
+    Args:
+        config: Which directory, how many bytes, what validation share.
+        min_tokens: Both splits must hold at least this many tokens (a context plus one).
+
+    Raises:
+        FileNotFoundError: the directory does not exist or holds no ``.py`` files.
+        ValueError: a split is too small for the requested context.
+    """
+    root = Path(config.root or sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus directory {root} does not exist (data.root)")
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no .py files in {root} (data.root)")
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
+    total = 0
+    used = 0
+    for path in files:
+        if total >= config.max_bytes:
+            break
+        text = path.read_bytes()[: config.max_bytes - total]
+        part = (_SEPARATOR % path.name.encode()) + text
+        (val_parts if _is_val(path.name, config.val_percent) else train_parts).append(part)
+        total += len(text)
+        used += 1
+    train, val = _tokens(train_parts), _tokens(val_parts)
+    for split, tokens in (("train", train), ("validation", val)):
+        if tokens.numel() < max(min_tokens, 2):
+            raise ValueError(
+                f"the {split} split has {tokens.numel()} tokens but needs {min_tokens}; "
+                f"raise data.max_bytes (now {config.max_bytes}) or lower model.block_size"
+            )
+    return Corpus(train=train, val=val, num_files=used, root=str(root))
+
+
+def sample_batch(
+    tokens: torch.Tensor,
+    *,
+    seed: int,
+    step: int,
+    batch_size: int,
+    block_size: int,
+    rank: int = 0,
+    num_ranks: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the global batch for ``step``: inputs and next-byte targets.
+
+    Args:
+        tokens: The token stream to sample from.
+        seed: Run seed; with ``step`` it fixes the global batch.
+        step: Step index (use distinct ranges for training and evaluation).
+        batch_size: Global batch; must be divisible by ``num_ranks``.
+        block_size: Sequence length.
+        rank: This rank's index among the data-parallel ranks.
+        num_ranks: Number of data-parallel ranks.
+    """
+    if batch_size % num_ranks:
+        raise ValueError(f"batch_size {batch_size} is not divisible by {num_ranks} ranks")
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, tokens.numel() - block_size - 1, (batch_size,), generator=gen)
+    per_rank = batch_size // num_ranks
+    mine = starts[rank * per_rank : (rank + 1) * per_rank]
+    offsets = torch.arange(block_size + 1)
+    windows = tokens[mine[:, None] + offsets]
+    return windows[:, :-1], windows[:, 1:]

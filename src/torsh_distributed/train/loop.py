@@ -1,0 +1,221 @@
+"""The training loop of ``torsh-dist train``.
+
+One call, :func:`train`, runs on every rank: it joins (or starts) the process group, builds the
+model from the seed (identical on every rank), applies data parallelism, and steps through the
+deterministic batches of :mod:`torsh_distributed.train.data`. Rank 0 shows progress and writes
+the summary. The result is returned on every rank so tests can compare runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torsh_distributed.parallel.data import apply_ddp
+from torsh_distributed.runtime import world
+from torsh_distributed.train.config import OptimConfig, TrainConfig
+from torsh_distributed.train.data import Corpus, load_corpus, sample_batch
+from torsh_distributed.train.model import GPT
+from torsh_distributed.train.progress import Progress, format_summary
+
+__all__ = ["TrainResult", "train", "lr_at"]
+
+_EVAL_STEP_BASE = 1 << 40  # evaluation batches use step ids far from training steps
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainResult:
+    """What a run did; identical on every rank (losses are averaged across ranks)."""
+
+    steps: int
+    """Optimizer steps taken."""
+    losses: list[float] = field(repr=False)
+    """Training loss of every step (global batch mean)."""
+    initial_loss: float
+    """Loss of the first step."""
+    final_loss: float
+    """Mean loss of the last ``min(10, steps)`` steps (less noisy than the last step alone)."""
+    val_loss: float
+    """Validation loss at the end."""
+    tokens_per_s: float
+    """Training tokens per second, all ranks together, over the training loop's wall time."""
+    world_size: int
+    """Number of ranks."""
+    wall_time_s: float
+    """Seconds from start of setup to the end of the final evaluation."""
+    num_params: int
+    """Parameters of the model."""
+    backend: str
+    """Process-group backend used."""
+
+    def summary(self) -> dict[str, float | int | str]:
+        """The summary fields (everything except the per-step losses)."""
+        data = asdict(self)
+        data.pop("losses")
+        return data
+
+
+def lr_at(step: int, *, optim: OptimConfig, max_steps: int) -> float:
+    """Learning rate for 0-based ``step``: linear warm-up, then cosine decay to ``min_lr_ratio``."""
+    if optim.warmup_steps and step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    span = max(max_steps - optim.warmup_steps, 1)
+    progress = min((step - optim.warmup_steps) / span, 1.0)
+    floor = optim.lr * optim.min_lr_ratio
+    return floor + (optim.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(0.9, 0.95), foreach=True)
+
+
+def _mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """Average a scalar over ranks (Gloo has no AVG: sum then divide)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, corpus: Corpus, config: TrainConfig, device: torch.device) -> float:
+    """Mean validation loss over ``eval_batches`` fixed batches, split across ranks."""
+    model.eval()
+    rank, size = world.rank(), world.world_size()
+    total = torch.zeros((), device=device)
+    for i in range(config.eval_batches):
+        x, y = sample_batch(
+            corpus.val,
+            seed=config.seed,
+            step=_EVAL_STEP_BASE + i,
+            batch_size=config.batch_size,
+            block_size=config.model.block_size,
+            rank=rank,
+            num_ranks=size,
+        )
+        _, loss = model(x.to(device), y.to(device))
+        total += loss
+    model.train()
+    return float(_mean_across_ranks(total / config.eval_batches))
+
+
+def _set_threads(config: TrainConfig) -> None:
+    threads = config.threads or max(1, (os.cpu_count() or 1) // world.local_world_size())
+    torch.set_num_threads(threads)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train the built-in model as described by ``config`` on this rank; see module docstring.
+
+    Uses the process group if one is running; otherwise starts one from the environment (a world
+    of one when not launched) and shuts it down at the end.
+
+    Raises:
+        ValueError: the global batch does not divide across the ranks, or the corpus is too small.
+    """
+    started = time.perf_counter()
+    owned = not world.is_initialized()
+    runtime = world.init(backend=config.backend)
+    try:
+        return _train(config, runtime, started)
+    finally:
+        if owned:
+            world.shutdown()
+
+
+def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> TrainResult:
+    rank, size, device = runtime.rank, runtime.world_size, runtime.device
+    per_rank = config.check_world(size)
+    _set_threads(config)
+    corpus = load_corpus(config.data, min_tokens=config.model.block_size + 2)
+
+    torch.manual_seed(config.seed)  # identical initial weights on every rank
+    base = GPT(config.model).to(device)
+    model = apply_ddp(base)
+    optimizer = _optimizer(base, config.optim)
+    tokens_per_step = config.batch_size * config.model.block_size
+
+    progress = Progress(
+        total=config.max_steps, enabled=runtime.is_main and config.progress, desc="train"
+    )
+    if runtime.is_main:
+        progress.write(
+            f"torsh-dist train: {base.num_params() / 1e6:.2f}M params, world size {size} "
+            f"({runtime.backend}), global batch {config.batch_size} ({per_rank}/rank) x "
+            f"{config.model.block_size} tokens, corpus {corpus.train.numel() / 1e6:.2f}M train / "
+            f"{corpus.val.numel() / 1e6:.2f}M val bytes from {corpus.num_files} files"
+        )
+    losses: list[float] = []
+    val_loss = float("nan")
+    loop_time = 0.0
+    for step in range(config.max_steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, optim=config.optim, max_steps=config.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = sample_batch(
+            corpus.train,
+            seed=config.seed,
+            step=step,
+            batch_size=config.batch_size,
+            block_size=config.model.block_size,
+            rank=rank,
+            num_ranks=size,
+        )
+        _, loss = model(x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(base.parameters(), config.optim.grad_clip)
+        optimizer.step()
+        global_loss = float(_mean_across_ranks(loss.detach()))
+        if not math.isfinite(global_loss):
+            raise FloatingPointError(
+                f"loss became {global_loss} at step {step + 1}; lower --lr (now {config.optim.lr})"
+            )
+        losses.append(global_loss)
+        loop_time += time.perf_counter() - t0
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.max_steps:
+            val_loss = evaluate(model, corpus, config, device)
+            progress.write(f"step {step + 1}: val loss {val_loss:.4f}")
+        if (step + 1) % config.log_every == 0 or step == 0 or step + 1 == config.max_steps:
+            progress.update_to(
+                step + 1, loss=global_loss, tok_s=tokens_per_step * (step + 1) / loop_time
+            )
+    progress.close()
+    val_loss = evaluate(model, corpus, config, device)
+    tail = losses[-min(10, len(losses)) :]
+    result = TrainResult(
+        steps=len(losses),
+        losses=losses,
+        initial_loss=losses[0],
+        final_loss=sum(tail) / len(tail),
+        val_loss=val_loss,
+        tokens_per_s=tokens_per_step * len(losses) / loop_time,
+        world_size=size,
+        wall_time_s=time.perf_counter() - started,
+        num_params=base.num_params(),
+        backend=runtime.backend,
+    )
+    if runtime.is_main:
+        print(format_summary(result.summary()), flush=True)
+        if config.summary_json:
+            path = Path(config.summary_json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(result.summary(), indent=2) + "\n")
+            tmp.replace(path)  # never leave a half-written summary behind
+    return result

@@ -1,0 +1,70 @@
+"""Rank 0's progress bar and the end-of-run summary table."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+from tqdm import tqdm
+
+__all__ = ["Progress", "format_summary"]
+
+
+class Progress:
+    """A tqdm bar that exists only where ``enabled`` (rank 0); a no-op elsewhere."""
+
+    def __init__(self, *, total: int, enabled: bool, desc: str) -> None:
+        self._bar = (
+            tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stdout,
+                 mininterval=0.5, leave=True)
+            if enabled
+            else None
+        )
+        self._enabled = enabled
+
+    def update_to(self, step: int, **postfix: float) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stdout)
+        elif self._enabled:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _fmt(value: float | int | str) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+_LABELS = {
+    "steps": "steps",
+    "initial_loss": "initial train loss",
+    "final_loss": "final train loss (last 10)",
+    "val_loss": "validation loss",
+    "tokens_per_s": "tokens/s (all ranks)",
+    "world_size": "world size",
+    "backend": "backend",
+    "num_params": "parameters",
+    "wall_time_s": "wall time (s)",
+}
+
+
+def format_summary(summary: Mapping[str, float | int | str]) -> str:
+    """A two-column table of the summary fields, known ones first and labelled."""
+    rows = [(_LABELS.get(k, k), _fmt(v)) for k, v in summary.items()]
+    order = list(_LABELS.values())
+    rows.sort(key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+    width = max(len(k) for k, _ in rows)
+    value_width = max(len(v) for _, v in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+"
+    body = [f"| {k:<{width}} | {v:>{value_width}} |" for k, v in rows]
+    return "\n".join([line, f"| {'summary':<{width}} | {'':>{value_width}} |", line, *body, line])

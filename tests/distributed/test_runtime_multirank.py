@@ -1,0 +1,129 @@
+"""init + collectives on real Gloo process groups of 2 and 4 ranks, and the harness itself."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torsh_distributed as tdist
+from torsh_distributed import DistributedTimeoutError
+from torsh_distributed.testing import RankFailedError, distributed_test, run_distributed
+
+
+def _smoke() -> dict[str, object]:
+    rank, size = tdist.rank(), tdist.world_size()
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    gathered = [torch.zeros(1) for _ in range(size)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]))
+    b = torch.tensor([rank * 10.0])
+    dist.broadcast(b, src=size - 1)
+    tdist.barrier()
+    return {
+        "rank": rank,
+        "size": size,
+        "local": (tdist.local_rank(), tdist.local_world_size(), tdist.node_rank()),
+        "sum": t.tolist(),
+        "gathered": [g.item() for g in gathered],
+        "bcast": b.item(),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_init_and_collectives(world_size):
+    results = run_distributed(_smoke, world_size, timeout=60)
+    expected_sum = float(sum(range(1, world_size + 1)))
+    for rank, res in enumerate(results):
+        assert res["rank"] == rank and res["size"] == world_size
+        assert res["local"] == (rank, world_size, 0)
+        assert res["sum"] == [expected_sum] * 3
+        assert res["gathered"] == [float(r) for r in range(world_size)]
+        assert res["bcast"] == (world_size - 1) * 10.0
+
+
+def _explicit_init(port: int) -> tuple[int, str]:
+    # Undo the harness's init so this rank exercises explicit rank/world_size/init_method.
+    tdist.shutdown()
+    rank = int(os.environ["RANK"])
+    with tdist.init(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}") as rt:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        backend = rt.backend
+        assert t.item() == 2.0
+    assert not tdist.is_initialized()
+    return rank, backend
+
+
+def test_explicit_rank_world_and_init_method():
+    from torsh_distributed.testing import find_free_port
+
+    assert run_distributed(_explicit_init, 2, args=(find_free_port(),)) == [(0, "gloo"), (1, "gloo")]
+
+
+def _raises_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("deliberate failure on rank one")
+    dist.barrier()
+
+
+def test_harness_reports_the_failing_rank_with_traceback():
+    with pytest.raises(RankFailedError, match="rank 1 of 2 failed: ValueError: deliberate") as info:
+        run_distributed(_raises_on_rank_one, 2, timeout=30)
+    text = str(info.value)
+    assert "--- traceback from rank 1 ---" in text
+    assert 'raise ValueError("deliberate failure on rank one")' in text
+
+
+def _crashes() -> None:
+    if dist.get_rank() == 0:
+        os._exit(3)
+    time.sleep(60)
+
+
+def test_harness_reports_a_crashed_rank():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 0 of 2 failed: process exited with code 3"):
+        run_distributed(_crashes, 2, timeout=40)
+    assert time.monotonic() - start < 30, "the harness waited for the surviving rank"
+
+
+def _hangs_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(120)
+
+
+def test_harness_timeout_names_ranks_and_dumps_stacks():
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError, match=r"ranks \[1\] of 2 did not finish") as info:
+        run_distributed(_hangs_on_rank_one, 2, timeout=8)
+    assert "_hangs_on_rank_one" in str(info.value)  # the stack of the hung rank
+    assert time.monotonic() - start < 25
+
+
+def _barrier_timeout() -> str:
+    if dist.get_rank() == 0:
+        try:
+            tdist.barrier(timeout=2)
+        except DistributedTimeoutError as exc:
+            return str(exc)
+        return "no error"
+    time.sleep(6)
+    return "slept"
+
+
+def test_barrier_timeout_names_missing_rank():
+    msg, _ = run_distributed(_barrier_timeout, 2, timeout=40)
+    assert msg.startswith("[rank 0, barrier]")
+    assert "Ranks 1 failed to pass monitoredBarrier" in msg
+
+
+@distributed_test(world_size=2, timeout=60)
+def test_decorator_passes_fixtures(tmp_path):
+    rank = dist.get_rank()
+    (tmp_path / f"r{rank}").write_text(str(rank))
+    dist.barrier()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r0", "r1"]

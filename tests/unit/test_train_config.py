@@ -1,0 +1,73 @@
+"""Trainer configuration: presets, validation, CLI flag mapping."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from torsh_distributed.cli.train import add_config_arguments, config_from_args
+from torsh_distributed.train.config import ModelConfig, TrainConfig, preset
+from torsh_distributed.train.loop import lr_at
+
+
+def _parse(*argv: str) -> TrainConfig:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+def test_presets_differ_and_validate():
+    tiny, small = preset("tiny"), preset("small")
+    assert tiny.model.n_layer < small.model.n_layer
+    with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of tiny, small"):
+        preset("huge")
+
+
+def test_flags_override_preset():
+    cfg = _parse("--preset", "tiny", "--max-steps", "7", "--lr", "0.01", "--model.n-layer", "3",
+                 "--batch-size", "8", "--progress", "false")
+    assert (cfg.max_steps, cfg.optim.lr, cfg.model.n_layer, cfg.batch_size) == (7, 0.01, 3, 8)
+    assert cfg.progress is False
+    assert cfg.model.d_model == preset("tiny").model.d_model
+
+
+def test_json_round_trip():
+    cfg = _parse("--seed", "9")
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown train config keys"):
+        TrainConfig.from_dict({"nope": 1})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"d_model": 30, "n_head": 4}, r"model.d_model \(30\) must be divisible by model.n_head \(4\)"),
+        ({"n_layer": 0}, "model.n_layer must be > 0"),
+        ({"dropout": 1.0}, r"model.dropout must be in \[0, 1\)"),
+    ],
+)
+def test_model_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**kwargs)
+
+
+def test_invalid_flag_value_is_reported():
+    with pytest.raises(ValueError, match="train.max_steps must be > 0, got 0"):
+        _parse("--max-steps", "0")
+
+
+def test_global_batch_must_divide():
+    cfg = TrainConfig(batch_size=30)
+    assert cfg.check_world(3) == 10
+    with pytest.raises(ValueError, match="batch_size 30 .* not divisible by the 4 data-parallel ranks"):
+        cfg.check_world(4)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    optim = preset("tiny").optim
+    assert lr_at(0, optim=optim, max_steps=100) == pytest.approx(optim.lr / optim.warmup_steps)
+    assert lr_at(optim.warmup_steps - 1, optim=optim, max_steps=100) == pytest.approx(optim.lr)
+    assert lr_at(100, optim=optim, max_steps=100) == pytest.approx(optim.lr * optim.min_lr_ratio)
+    values = [lr_at(s, optim=optim, max_steps=100) for s in range(optim.warmup_steps, 100)]
+    assert all(a >= b for a, b in zip(values, values[1:]))

@@ -1,4 +1,4 @@
-"""Real servers for integration tests: a throwaway ``redis-server`` on 127.0.0.1."""
+"""Real servers for integration tests: throwaway ``redis-server`` processes on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class RedisServer(NamedTuple):
 
 
 def _ping(port: int, password: str | None) -> bool:
-    """True once the server answers PING (with +PONG, or -NOAUTH when it wants a password)."""
+    """True once the server answers PING (+PONG, or -NOAUTH when it wants a password)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")
@@ -35,52 +35,73 @@ def _ping(port: int, password: str | None) -> bool:
     return reply.startswith(b"+PONG") or (password is not None and reply.startswith(b"-NOAUTH"))
 
 
-def _start_redis(password: str | None = None) -> Iterator[RedisServer]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip(
-            "redis-server not installed: run `make test` as root (installs it) "
-            "or apt-get install redis-server"
-        )
-    for _attempt in range(3):  # the free port can be taken between probe and bind
-        port = find_free_port()
-        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        cmd += ["--daemonize", "no", "--loglevel", "warning"]
-        if password is not None:
-            cmd += ["--requirepass", password]
-        log = tempfile.TemporaryFile()  # a file, not a pipe: a full pipe would stall the server
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10.0
-        while proc.poll() is None and time.monotonic() < deadline and not _ping(port, password):
-            time.sleep(0.01)
-        if proc.poll() is None and _ping(port, password):
-            break
-        proc.kill()
-        proc.wait()
-        log.seek(0)
-        output = log.read().decode(errors="replace")
-        log.close()
-    else:
+class RedisProcess:
+    """A ``redis-server`` child process: no persistence, bound to 127.0.0.1, a free port."""
+
+    def __init__(self, password: str | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip(
+                "redis-server not installed: run `make test` as root (installs it) "
+                "or apt-get install redis-server"
+            )
+        output = ""
+        for _attempt in range(3):  # the free port can be taken between probe and bind
+            port = find_free_port()
+            cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+            cmd += ["--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
+            if password is not None:
+                cmd += ["--requirepass", password]
+            self._log = tempfile.TemporaryFile()  # not a pipe: a full pipe would stall redis
+            self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 10.0
+            while self._proc.poll() is None and time.monotonic() < deadline:
+                if _ping(port, password):
+                    self.address = RedisServer("127.0.0.1", port)
+                    return
+                time.sleep(0.01)
+            self.stop()
+            self._log.seek(0)
+            output = self._log.read().decode(errors="replace")
         pytest.fail(f"redis-server did not start: {output[-2000:]}")
-    try:
-        yield RedisServer("127.0.0.1", port)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL) and reap it; safe to call twice."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    """A redis-server without a password; yields its host and port."""
-    yield from _start_redis()
+    """A shared redis-server without a password; yields ``(host, port)``."""
+    server = RedisProcess()
+    yield server.address
+    server.stop()
 
 
 @pytest.fixture(scope="session")
 def redis_server_auth() -> Iterator[RedisServer]:
-    """A redis-server with ``--requirepass REDIS_PASSWORD``; yields its host and port."""
-    yield from _start_redis(REDIS_PASSWORD)
+    """A shared redis-server started with ``--requirepass``; yields ``(host, port)``."""
+    server = RedisProcess(REDIS_PASSWORD)
+    yield server.address
+    server.stop()
+
+
+@pytest.fixture
+def redis_password() -> str:
+    """The password of :func:`redis_server_auth`."""
+    return REDIS_PASSWORD
+
+
+@pytest.fixture
+def redis_process() -> Iterator[RedisProcess]:
+    """A private redis-server the test may stop (``.address``, ``.stop()``)."""
+    server = RedisProcess()
+    yield server
+    server.stop()

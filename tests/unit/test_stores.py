@@ -130,7 +130,9 @@ def test_tcp_store_server_and_client() -> None:
 
 def test_tcp_client_without_server_times_out() -> None:
     port = find_free_port()
-    with pytest.raises(DistributedTimeoutError, match=f"no TCP store answered at 127.0.0.1:{port}") as info:
+    with pytest.raises(
+        DistributedTimeoutError, match=f"no TCP store answered at 127.0.0.1:{port}"
+    ) as info:
         create_store(f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout=0.3)
     assert info.value.rank == 1 and info.value.operation == "create_store"
     assert "start rank 0" in str(info.value)

@@ -18,6 +18,8 @@ from torsh_distributed.runtime.errors import (
     RankOutOfRangeError,
     TorshDistributedError,
 )
+from torsh_distributed.runtime.redis_store import RedisStore
+from torsh_distributed.runtime.stores import create_store
 from torsh_distributed.runtime.world import (
     Runtime,
     barrier,
@@ -42,12 +44,14 @@ __all__ = [
     "MPIEnvironment",
     "ProcessFailureError",
     "RankOutOfRangeError",
+    "RedisStore",
     "Runtime",
     "SlurmEnvironment",
     "TorchrunEnvironment",
     "TorshDistributedError",
     "WorldInfo",
     "barrier",
+    "create_store",
     "current",
     "detect_environment",
     "init",

@@ -123,10 +123,15 @@ class RedisStore(dist.Store):
         prefix: Prepended to every key so jobs sharing a server do not collide and
             :meth:`num_keys` / :meth:`clear` touch only this job's keys. Must be equal on all
             ranks and differ between jobs (and between reruns, or call :meth:`clear` first);
-            the default comes from :func:`default_prefix`.
-        timeout: How long ``get`` / ``wait`` block before raising ``DistStoreError``; also
-            bounds every Redis call. Zero waits forever. Longer survives slow peers, shorter
-            reports a dead peer sooner.
+            the default comes from :func:`default_prefix`. ``""`` shares the whole database.
+        timeout: How long ``get`` / ``wait`` block before raising ``DistStoreError`` (torch's
+            ``set_timeout`` changes it later). Zero waits forever. Longer survives slow peers,
+            shorter reports a dead peer sooner. A single Redis reply may take
+            ``max(timeout, 30 s)`` before the connection counts as lost.
+
+    A store pins itself in memory until :meth:`close`: torch holds only the C++ half of a
+    Python store, so ``init_process_group(store=RedisStore(...))`` would otherwise break as soon
+    as the Python object is collected. Close it after ``destroy_process_group``.
 
     Raises:
         FeatureNotAvailableError: the ``redis`` package is missing.
@@ -146,6 +151,9 @@ class RedisStore(dist.Store):
     ) -> None:
         super().__init__()
         redis = _import_redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         seconds = _seconds(timeout)
         if seconds < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
@@ -162,12 +170,15 @@ class RedisStore(dist.Store):
             socket_connect_timeout=min(seconds or 10.0, 10.0),
             socket_timeout=max(seconds, 30.0) if seconds else None,
             decode_responses=False,
+            # No silent retries: a re-sent INCRBY whose reply was lost would count twice.
+            retry=Retry(NoBackoff(), 0),
         )
         try:
             self._client.ping()
         except redis.AuthenticationError as exc:
+            what = "requires a password" if password is None else "rejected the password"
             raise ConfigurationError(
-                f"Redis at {self._where} rejected the credentials: {exc}",
+                f"Redis at {self._where} {what} ({exc})",
                 operation="RedisStore",
                 fix="pass the server's requirepass as password= (or in redis://:PASSWORD@host:port).",
             ) from exc
@@ -194,12 +205,25 @@ class RedisStore(dist.Store):
         return f"{self._host}:{self._port}"
 
     @property
+    def host(self) -> str:
+        """Host of the Redis server."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """Port of the Redis server."""
+        return self._port
+
+    @property
     def prefix(self) -> str:
         """The prefix in front of every key of this store."""
         return self._prefix
 
     def __repr__(self) -> str:
-        return f"RedisStore(host={self._host!r}, port={self._port}, db={self._db}, prefix={self._prefix!r})"
+        return (
+            f"RedisStore(host={self._host!r}, port={self._port}, db={self._db}, "
+            f"prefix={self._prefix!r})"
+        )
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -254,7 +278,9 @@ class RedisStore(dist.Store):
         except self._response_error as exc:
             raise ValueError(f"add({key!r}, {value}): the key holds a non-integer ({exc})") from exc
 
-    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
         """Atomically set ``key`` to ``desired_value`` if it holds ``expected_value``.
 
         A missing key is created only when ``expected_value`` is empty. Returns the value the
@@ -264,7 +290,7 @@ class RedisStore(dist.Store):
         args = [_as_bytes(expected_value), _as_bytes(desired_value)]
         return bytes(self._call(self._compare_set, [self._key(key)], args))
 
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+    def wait(self, keys: list[str], timeout: timedelta | float | None = None) -> None:
         """Block until every key exists, for ``timeout`` or else the store timeout.
 
         Raises:
@@ -273,7 +299,7 @@ class RedisStore(dist.Store):
         if not keys:
             return
         full = [self._key(k) for k in keys]
-        seconds = (timeout if timeout is not None else self.timeout).total_seconds()
+        seconds = _seconds(timeout if timeout is not None else self.timeout)
 
         def exists() -> bool | None:
             return True if self._client.exists(*full) == len(full) else None
@@ -356,9 +382,13 @@ class RedisStore(dist.Store):
         _LIVE.pop(id(self), None)
         self._client.close()
 
-    # The C++ trampoline looks these two up by their C++ names (PrefixStore.num_keys() etc.).
-    getNumKeys = num_keys  # noqa: N815
-    deleteKey = delete_key  # noqa: N815
+    # torch's C++ trampoline looks these two up by their C++ names (e.g. when a PrefixStore
+    # wrapping this store is asked for num_keys); without them it reports a pure virtual call.
+    def getNumKeys(self) -> int:  # noqa: N802
+        return self.num_keys()
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802
+        return self.delete_key(key)
 
     def _scan(self) -> list[bytes]:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._prefix) + "*"

@@ -54,8 +54,9 @@ def _user_traceback(exc: BaseException) -> str:
     tb: TracebackType | None = exc.__traceback__
     while tb is not None and _is_wrapper_frame(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    # An exception raised by runpy itself (script not found, no such module) has no user frame:
-    # then only the exception line is shown.
+    if tb is None:
+        # Raised by runpy itself (no such script or module): its internal chain is noise.
+        return "".join(traceback.format_exception_only(type(exc), exc))
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
@@ -105,7 +106,10 @@ def _record(exc: BaseException) -> bool:
 
 
 def _announce_restart(exc: BaseException) -> None:
-    attempt, max_restarts = _env_int("TORCHELASTIC_RESTART_COUNT"), _env_int("TORCHELASTIC_MAX_RESTARTS")
+    attempt, max_restarts = (
+        _env_int("TORCHELASTIC_RESTART_COUNT"),
+        _env_int("TORCHELASTIC_MAX_RESTARTS"),
+    )
     if attempt is None or max_restarts is None or attempt >= max_restarts:
         return  # the last attempt: the launcher's final report shows the traceback
     first_line = (str(exc).splitlines() or [""])[0]

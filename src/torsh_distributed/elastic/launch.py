@@ -1,0 +1,698 @@
+"""Launch a script or module on N processes per node, through torch's elastic agent.
+
+:func:`launch` is ``torchrun`` behind a smaller, validated surface (:class:`LaunchOptions`): it
+builds torch's :class:`~torch.distributed.launcher.api.LaunchConfig` and calls
+:func:`~torch.distributed.launcher.api.launch_agent`, so rendezvous, restarts, the workers'
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_*``) and signal forwarding are torch's own.
+What it adds:
+
+* **Rendezvous choice.** One node and no ``rdzv_endpoint``: a static rendezvous whose store
+  listens on ``master_addr`` only (127.0.0.1 by default), on a port found by binding port 0, so no
+  other job can take the port between choosing and using it. Several nodes: torch's ``static``
+  rendezvous on ``master_addr:master_port`` with ``node_rank``; or, with ``rdzv_endpoint``, the
+  ``c10d`` rendezvous (elastic ``nnodes="MIN:MAX"``, late joiners, restarts across nodes).
+* **Attributable output.** Every line a worker prints carries its global rank: ``[rank1]: ...``.
+* **One failure report.** Workers run under :mod:`torsh_distributed.elastic._bootstrap`, which
+  writes an uncaught exception to torch's per-worker error file instead of printing it. When the
+  job fails, one block names the rank that failed first (global and local rank, node, host, exit
+  code) with its traceback, and lists any other failed rank on one line each.
+* **A quiet agent.** torch's agent logs (rendezvous details, "Sending process ... closing signal
+  SIGTERM", ...) are hidden unless ``verbose=True``.
+
+Trust model. torch's rendezvous store (``TCPStore``) and the Gloo/NCCL transports have neither
+authentication nor encryption: whoever reaches the store's port can join the job, read its keys or
+corrupt it. ``TCPStore`` listens on *every* interface whatever host name it is given, so for a
+single-node job we bind the listening socket ourselves, to ``master_addr`` (loopback unless you
+change it), hand it to the store, and point Gloo at the loopback interface (``GLOO_SOCKET_IFNAME``)
+unless you set that yourself. A multi-node job must listen where other nodes can reach it, and
+torch's stores then bind every interface of node 0 (static) or of the endpoint's host (c10d): run
+multi-node jobs only on a trusted, isolated network, never with those ports open to the internet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TextIO
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+from torsh_distributed.runtime.env import DEFAULT_MASTER_PORT
+from torsh_distributed.runtime.errors import ConfigurationError, ProcessFailureError
+
+__all__ = ["LaunchOptions", "launch", "RDZV_BACKENDS", "LOG_LINE_PREFIX", "parse_nnodes"]
+
+RDZV_BACKENDS = ("c10d", "static")
+LOG_LINE_PREFIX = "[rank${rank}]: "
+"""Prefix of each worker output line (torch's ``log_line_prefix_template``)."""
+
+_BOOTSTRAP = "torsh_distributed.elastic._bootstrap"
+_LOCAL_BACKEND = "torsh-local"
+_RDZV_TIMEOUT_S = 900
+_DEFAULT_C10D_PORT = 29400
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# Exit signals the agent itself sends when it stops the rest of a failed group.
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
+# Errors a rank sees because a *peer* died: never the root cause while a primary failure exists.
+_SECONDARY_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+)
+
+
+def parse_nnodes(nnodes: str) -> tuple[int, int]:
+    """``"N"`` -> ``(N, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)``; ValueError naming ``nnodes``."""
+    parts = str(nnodes).split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise ValueError(f"nnodes must be 'N' or 'MIN:MAX' (integers), got {nnodes!r}") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"nnodes must satisfy 1 <= MIN <= MAX, got {nnodes!r}")
+    return low, high
+
+
+def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchOptions:
+    """How to start a job: processes per node, nodes, rendezvous, restarts and logs.
+
+    The fields mirror ``torchrun``'s flags (``--nproc-per-node`` is ``nproc_per_node``, ...).
+    """
+
+    nproc_per_node: int = 1
+    """Worker processes on this node (usually one per GPU). With more than one and
+    ``OMP_NUM_THREADS`` unset, workers get ``OMP_NUM_THREADS=1`` as under torchrun, so N ranks do
+    not each start a thread per core."""
+    nnodes: str = "1"
+    """Number of nodes: ``"N"``, or ``"MIN:MAX"`` for an elastic job (needs ``rdzv_endpoint``),
+    which starts once MIN nodes have joined (after torch's 30 s last call for more) and admits up
+    to MAX."""
+    node_rank: int = 0
+    """This node's index in ``[0, N)`` for a static rendezvous. The c10d rendezvous numbers the
+    nodes itself and ignores it (with a warning)."""
+    master_addr: str = "127.0.0.1"
+    """Static rendezvous: address of node 0, where the store runs; every node passes the same one.
+    On one node it is also the only address the store listens on: loopback keeps the job private."""
+    master_port: int | None = None
+    """Static rendezvous port. ``None``: a port the OS picks on one node; 29500 (torch's default)
+    on several nodes, which must agree on it without talking first."""
+    rdzv_endpoint: str | None = None
+    """``host[:port]`` of the rendezvous for ``rdzv_backend`` (c10d's default port is 29400; the
+    node whose host name matches runs the store). Needed for elastic jobs; overrides
+    ``master_addr``/``master_port``."""
+    rdzv_backend: str = "c10d"
+    """Rendezvous used with ``rdzv_endpoint``: ``"c10d"`` (elastic, torch's recommendation) or
+    ``"static"`` (fixed node count, ranked by ``node_rank``). Without an endpoint the launcher uses
+    a static rendezvous on ``master_addr``."""
+    rdzv_id: str = "torsh"
+    """Job id shared by all nodes of a job; jobs sharing one rendezvous endpoint need distinct ids."""
+    max_restarts: int = 0
+    """How often the whole worker group is restarted after a failure before the job fails.
+    Workers read ``TORCHELASTIC_RESTART_COUNT`` to resume, e.g. from a checkpoint."""
+    monitor_interval: float = 0.1
+    """Seconds between the agent's checks of its workers: lower notices a failure sooner, higher
+    costs less CPU."""
+    log_dir: str | None = None
+    """Keep each worker's ``stdout.log``, ``stderr.log`` and ``error.json`` (a failed worker's
+    traceback) under ``<log_dir>/<rdzv_id>_*/attempt_<n>/<local_rank>/``. ``None``: a temporary
+    directory removed when the job ends. The console shows the same output either way."""
+    local_ranks_filter: frozenset[int] | None = None
+    """Local ranks whose output reaches the console (``None``: all); the others still write to
+    ``log_dir``. Useful when many ranks print the same lines."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the workers, on top of this process's environment."""
+    verbose: bool = False
+    """Show torch's elastic agent logs (rendezvous, restarts, closing signals) at INFO level."""
+
+    def __post_init__(self) -> None:
+        _check_int("nproc_per_node", self.nproc_per_node, low=1)
+        if not isinstance(self.nnodes, str):
+            raise TypeError(
+                f"nnodes must be a str ('N' or 'MIN:MAX'), got {type(self.nnodes).__name__}"
+            )
+        min_nodes, max_nodes = parse_nnodes(self.nnodes)
+        _check_int("node_rank", self.node_rank, low=0)
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise ValueError(
+                f"master_addr must be a host name or IP address, got {self.master_addr!r}"
+            )
+        if self.master_port is not None:
+            _check_int("master_port", self.master_port, low=1, high=65535)
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise ValueError(
+                f"rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {self.rdzv_backend!r}"
+            )
+        if self.rdzv_endpoint is not None:
+            try:
+                parse_rendezvous_endpoint(self.rdzv_endpoint, default_port=_DEFAULT_C10D_PORT)
+            except ValueError as exc:
+                raise ValueError(f"rdzv_endpoint must be 'host[:port]': {exc}") from None
+            if not self.rdzv_endpoint.strip():
+                raise ValueError("rdzv_endpoint must be 'host[:port]', got an empty string")
+        if not isinstance(self.rdzv_id, str) or not self.rdzv_id:
+            raise ValueError(f"rdzv_id must be a non-empty string, got {self.rdzv_id!r}")
+        _check_int("max_restarts", self.max_restarts, low=0)
+        if isinstance(self.monitor_interval, bool) or not isinstance(
+            self.monitor_interval, (int, float)
+        ):
+            raise TypeError(f"monitor_interval must be a number, got {self.monitor_interval!r}")
+        if not self.monitor_interval > 0:
+            raise ValueError(f"monitor_interval must be > 0 seconds, got {self.monitor_interval}")
+        if self.log_dir is not None and not str(self.log_dir):
+            raise ValueError("log_dir must be a directory path or None, got an empty string")
+        if self.local_ranks_filter is not None:
+            ranks = frozenset(self.local_ranks_filter)
+            bad = sorted(
+                r for r in ranks if not isinstance(r, int) or not 0 <= r < self.nproc_per_node
+            )
+            if not ranks or bad:
+                raise ValueError(
+                    f"local_ranks_filter must hold local ranks in [0, {self.nproc_per_node}), "
+                    f"got {sorted(ranks)}"
+                )
+            self.local_ranks_filter = ranks
+        if not isinstance(self.env, Mapping):
+            raise TypeError(f"env must be a mapping of str to str, got {type(self.env).__name__}")
+        for key, value in self.env.items():
+            if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
+                raise ValueError(f"env must map variable names to strings, got {key!r}: {value!r}")
+        self.env = dict(self.env)
+
+        static = self.rdzv_endpoint is None or self.rdzv_backend == "static"
+        if static and min_nodes != max_nodes:
+            raise ValueError(
+                f"nnodes={self.nnodes!r} is elastic (MIN:MAX) and needs rdzv_endpoint with "
+                "rdzv_backend='c10d'; a static rendezvous needs a fixed node count"
+            )
+        if static and self.node_rank >= max_nodes:
+            raise ValueError(f"node_rank must be < nnodes ({max_nodes}), got {self.node_rank}")
+        if self.rdzv_endpoint is not None:
+            if self.rdzv_backend == "c10d" and self.node_rank != 0:
+                warnings.warn(
+                    f"node_rank={self.node_rank} is ignored: the c10d rendezvous numbers nodes itself",
+                    stacklevel=3,
+                )
+            if self.master_addr != "127.0.0.1" or self.master_port is not None:
+                warnings.warn(
+                    "master_addr/master_port are ignored when rdzv_endpoint is set",
+                    stacklevel=3,
+                )
+
+    @property
+    def min_nodes(self) -> int:
+        """Nodes that must join before the job starts."""
+        return parse_nnodes(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        """Most nodes the job admits."""
+        return parse_nnodes(self.nnodes)[1]
+
+
+# --- rendezvous ------------------------------------------------------------------------------
+
+
+class _LocalRendezvous(RendezvousHandler):
+    """A one-node static rendezvous whose store listens on one socket that we bound.
+
+    torch's static rendezvous creates ``TCPStore(master_addr, ...)``, which listens on every
+    interface; this one passes ``master_listen_fd`` instead, so it listens only where we bound.
+    """
+
+    def __init__(self, *, addr: str, port: int, listener: socket.socket, run_id: str, timeout: int):
+        self._addr = addr
+        self._port = port
+        self._listener = listener
+        self._run_id = run_id
+        self._timeout = timedelta(seconds=timeout)
+        self._store: dist.TCPStore | None = None
+
+    def get_backend(self) -> str:
+        return _LOCAL_BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # workers reuse this store (MASTER_ADDR/PORT) instead of opening another
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._store is None:
+            fd = self._listener.detach()  # the store owns and closes the descriptor from here on
+            self._store = dist.TCPStore(
+                self._addr, self._port, 1, True, self._timeout, master_listen_fd=fd
+            )
+        store = dist.PrefixStore(self._run_id, self._store)
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(self._addr, self._port))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def _create_local_handler(params: RendezvousParameters) -> RendezvousHandler:
+    addr, port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
+    return _LocalRendezvous(
+        addr=addr,
+        port=port,
+        listener=params.config["listener"],
+        run_id=params.run_id,
+        timeout=int(params.config.get("timeout", _RDZV_TIMEOUT_S)),
+    )
+
+
+rendezvous_handler_registry.register(_LOCAL_BACKEND, _create_local_handler)
+
+
+@dataclass(slots=True)
+class _Plan:
+    backend: str
+    endpoint: str
+    configs: dict[str, Any]
+    listener: socket.socket | None = None
+
+
+def _url_host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    host = addr.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+    except socket.gaierror as exc:
+        raise ConfigurationError(
+            f"master_addr {addr!r} does not resolve: {exc}", operation="launch"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError(
+            f"cannot listen on {addr}:{port} for the rendezvous store: {exc.strerror or exc}",
+            operation="launch",
+            fix="pick another --master-port, or leave it unset to use a free one."
+            if port
+            else "check that master_addr is an address of this host.",
+        ) from None
+    return sock
+
+
+def _plan(options: LaunchOptions) -> _Plan:
+    if options.rdzv_endpoint is not None:
+        configs: dict[str, Any] = {"timeout": _RDZV_TIMEOUT_S}
+        if options.rdzv_backend == "static":
+            configs["rank"] = options.node_rank
+        return _Plan(options.rdzv_backend, options.rdzv_endpoint.strip(), configs)
+    if options.max_nodes == 1:
+        listener = _listen(options.master_addr, options.master_port or 0)
+        port = int(listener.getsockname()[1])
+        endpoint = f"{_url_host(options.master_addr)}:{port}"
+        configs = {"rank": 0, "timeout": _RDZV_TIMEOUT_S, "listener": listener}
+        return _Plan(_LOCAL_BACKEND, endpoint, configs, listener)
+    port = options.master_port or DEFAULT_MASTER_PORT
+    endpoint = f"{_url_host(options.master_addr)}:{port}"
+    return _Plan("static", endpoint, {"rank": options.node_rank, "timeout": _RDZV_TIMEOUT_S})
+
+
+def _is_loopback(addr: str) -> bool:
+    host = addr.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), None)
+
+
+def _worker_env(options: LaunchOptions, plan: _Plan) -> dict[str, str]:
+    env = dict(options.env)
+    if options.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if plan.backend == _LOCAL_BACKEND and _is_loopback(options.master_addr):
+        lo = _loopback_interface()
+        if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env.setdefault("GLOO_SOCKET_IFNAME", lo)
+    return env
+
+
+# --- process-wide state the agent touches -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """The agent passes ``os.environ`` to workers (and writes to it): restore it afterwards."""
+    before = dict(os.environ)
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        for key, value in before.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _restored_signal_handlers() -> Iterator[None]:
+    """The agent installs handlers that raise ``SignalException``; put ours back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {}
+    for name in _HANDLED_SIGNALS:
+        if hasattr(signal, name):
+            sig = getattr(signal, name)
+            saved[sig] = signal.getsignal(sig)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _agent_logging(verbose: bool) -> Iterator[None]:
+    """Hide torch's agent logs, or show them at INFO with ``verbose``.
+
+    Records of every logger under the agent's packages stop at the package logger (no
+    propagation) and go to its one handler: nothing, or stderr. torch sets explicit levels on
+    some child loggers (``LOGLEVEL``, default WARNING), so verbose mode lowers those to INFO.
+    """
+    handler: logging.Handler
+    if verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[torsh-dist agent] %(levelname)s %(message)s"))
+    else:
+        handler = logging.NullHandler()
+    saved: list[tuple[logging.Logger, int, bool]] = []
+    for name in _AGENT_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level, logger.propagate))
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.INFO if verbose else logging.CRITICAL)
+    if verbose:
+        for name, logger in list(logging.root.manager.loggerDict.items()):
+            if isinstance(logger, logging.Logger) and name.startswith(
+                tuple(f"{p}." for p in _AGENT_LOGGERS)
+            ):
+                saved.append((logger, logger.level, logger.propagate))
+                logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level, propagate in saved:
+            logger.setLevel(level)
+            logger.propagate = propagate
+        for name in _AGENT_LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
+
+
+# --- the launch ------------------------------------------------------------------------------
+
+
+def launch(
+    options: LaunchOptions,
+    *,
+    script: str | None = None,
+    module: str | None = None,
+    args: Sequence[str] = (),
+) -> int:
+    """Run ``script`` (or ``module``) on this node's workers, joined with the job's other nodes.
+
+    Blocks until the job ends. Worker output goes to this process's stdout/stderr, each line
+    prefixed with ``[rank<N>]:``. On failure one report on stderr names the root-cause rank and
+    shows its traceback once.
+
+    Args:
+        options: Processes, nodes, rendezvous, restarts and logs.
+        script: Path of a Python file, run as ``python SCRIPT ARGS...`` in every worker.
+        module: Module name, run as ``python -m MODULE ARGS...``; exclusive with ``script``.
+        args: Arguments for the script or module (``sys.argv[1:]`` in the workers).
+
+    Returns:
+        0 when every worker succeeded. After a failure: the failed worker's exit code when one
+        worker failed on its own (others failing only because it vanished do not count; a signal
+        N gives 128 + N), else 1. 128 + N when this launcher was stopped by signal N (Ctrl-C:
+        130); the workers are stopped first.
+
+    Raises:
+        TypeError / ValueError: bad arguments (both or neither of ``script`` and ``module``, a
+            script that is not a file), raised before anything starts.
+        ConfigurationError: the store cannot listen on ``master_addr:master_port``.
+        ProcessFailureError: the rendezvous failed (a node never came, endpoint unreachable).
+    """
+    if not isinstance(options, LaunchOptions):
+        raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
+    if (script is None) == (module is None):
+        raise ValueError("pass exactly one of script= (a .py file) and module= (like python -m)")
+    if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
+        raise TypeError(f"args must be a sequence of str, got {args!r}")
+    if script is not None:
+        if not os.path.isfile(script):
+            raise ValueError(f"script {script!r} is not a file (working directory {os.getcwd()})")
+        target = ["--", script]
+    else:
+        assert module is not None
+        if not module or module.startswith("-"):
+            raise ValueError(f"module must be a module name like 'pkg.train', got {module!r}")
+        target = ["-m", module]
+
+    plan = _plan(options)
+    own_log_dir = options.log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="torsh-run-") if own_log_dir else str(options.log_dir)
+    try:
+        ranks_filter = options.local_ranks_filter
+        logs_specs = DefaultLogsSpecs(
+            log_dir=log_dir,
+            tee=Std.ALL,  # tee = write to the log file and echo it with the rank prefix
+            local_ranks_filter=set(ranks_filter) if ranks_filter else None,
+        )
+        config = LaunchConfig(
+            min_nodes=options.min_nodes,
+            max_nodes=options.max_nodes,
+            nproc_per_node=options.nproc_per_node,
+            logs_specs=logs_specs,
+            run_id=options.rdzv_id,
+            role="default",
+            rdzv_endpoint=plan.endpoint,
+            rdzv_backend=plan.backend,
+            rdzv_configs=plan.configs,
+            max_restarts=options.max_restarts,
+            monitor_interval=options.monitor_interval,
+            log_line_prefix_template=LOG_LINE_PREFIX,
+        )
+        cmd_args = ["-u", "-m", _BOOTSTRAP, *target, *args]
+        if options.verbose:
+            print(
+                f"torsh-dist: {options.nproc_per_node} worker(s) on this node, nnodes "
+                f"{options.nnodes}, rendezvous {plan.backend} at {plan.endpoint}, logs in {log_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+        with (
+            _agent_logging(options.verbose),
+            _patched_environ(_worker_env(options, plan)),
+            _restored_signal_handlers(),
+        ):
+            try:
+                launch_agent(config, os.environ.get("PYTHON_EXEC", sys.executable), cmd_args)
+            except ChildFailedError as exc:
+                return _report(
+                    exc,
+                    node=None if plan.backend == "c10d" else options.node_rank,
+                    log_dir=None if own_log_dir else log_dir,
+                    out=sys.stderr,
+                )
+            except SignalException as exc:
+                print(
+                    f"torsh-dist: received {exc.sigval.name}; all workers were stopped",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 128 + int(exc.sigval)
+            except (RendezvousError, dist.DistError) as exc:
+                raise ProcessFailureError(
+                    f"rendezvous failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                    operation="rendezvous",
+                    fix="check that every node runs the same --nnodes, --rdzv-id and endpoint "
+                    "(--master-addr/--master-port or --rdzv-endpoint) and can reach it.",
+                ) from exc
+        return 0
+    finally:
+        if plan.listener is not None and plan.listener.fileno() != -1:
+            plan.listener.close()  # never handed to a store (the agent failed before rendezvous)
+        if own_log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+# --- the failure report ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Failure:
+    rank: int
+    failure: ProcessFailure
+    info: dict[str, Any]
+    summary: str
+    traceback: str
+    kind: str  # "primary", "secondary" (caused by a peer) or "stopped" (by the launcher)
+    time_ns: int
+
+
+def _classify(rank: int, failure: ProcessFailure) -> _Failure:
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    info = data.get("torsh") if isinstance(data.get("torsh"), dict) else {}
+    message = failure.message
+    traceback_text = ""
+    if isinstance(message, dict):
+        summary = str(message.get("message", ""))
+        traceback_text = str(message.get("extraInfo", {}).get("py_callstack", ""))
+    else:
+        summary = ""
+    summary = str(info.get("summary") or summary)
+    has_record = bool(summary)
+    signum = -failure.exitcode if failure.exitcode < 0 else None
+    if has_record:
+        lowered = summary.lower()
+        kind = "secondary" if any(m in lowered for m in _SECONDARY_MARKERS) else "primary"
+    elif signum is not None and signum in {int(s) for s in _STOP_SIGNALS}:
+        kind = "stopped"
+    else:
+        kind = "primary"  # a crash (SIGSEGV, SIGABRT) or an exit code without an exception
+    if not has_record:
+        if signum is not None:
+            summary = f"killed by {failure.signal_name()}"
+        else:
+            summary = f"exited with code {failure.exitcode} without raising (sys.exit or os._exit)"
+    time_ns = int(info.get("time_ns") or failure.timestamp * 1_000_000_000)
+    return _Failure(rank, failure, info, summary, traceback_text, kind, time_ns)
+
+
+def _root_cause(failures: Iterable[_Failure]) -> _Failure:
+    order = {"primary": 0, "secondary": 1, "stopped": 2}
+    return min(failures, key=lambda f: (order[f.kind], f.time_ns, f.rank))
+
+
+def _exit_code(failure: _Failure) -> int:
+    code = failure.failure.exitcode
+    return code if code > 0 else 128 - code
+
+
+def _status(failure: ProcessFailure) -> str:
+    code = failure.exitcode
+    return f"exit code {code}" if code >= 0 else f"killed by {failure.signal_name()}"
+
+
+def _report(exc: ChildFailedError, *, node: int | None, log_dir: str | None, out: TextIO) -> int:
+    """Print one block for a failed job; return the launcher's exit code.
+
+    ``failures`` are this node's workers (each node's agent reports its own); ``node`` is this
+    node's rank when the rendezvous fixed it, for workers that died without an error file.
+    """
+    failures = [_classify(rank, f) for rank, f in exc.failures.items()]
+    root = _root_cause(failures)
+    where = [f"local rank {root.failure.local_rank}"]
+    group_rank = root.info.get("group_rank", node)
+    if group_rank is not None:
+        where.append(f"node {group_rank}")
+    where.append(f"host {root.info.get('host') or socket.gethostname()}")
+    lines = [f"torsh-dist: rank {root.rank} failed ({', '.join(where)}; {_status(root.failure)})"]
+    if root.traceback:
+        lines.append(root.traceback.rstrip("\n"))
+    else:
+        lines.append(f"no Python traceback: {root.summary}; see the rank's output above")
+    others = sorted(
+        (f for f in failures if f is not root and f.kind != "stopped"), key=lambda f: f.rank
+    )
+    if others:
+        lines.append("other failed ranks:")
+        for other in others:
+            first = (other.summary.splitlines() or [""])[0]
+            if len(first) > 200:
+                first = first[:197] + "..."
+            lines.append(
+                f"  rank {other.rank} (local rank {other.failure.local_rank}): {first} "
+                f"({_status(other.failure)})"
+            )
+    stopped = sorted(f.rank for f in failures if f is not root and f.kind == "stopped")
+    if stopped:
+        lines.append(
+            f"stopped by the launcher after the failure: ranks {', '.join(map(str, stopped))}"
+        )
+    if log_dir is not None:
+        error_file = root.failure.error_file
+        attempt_dir = (
+            os.path.dirname(os.path.dirname(error_file)) if os.path.isfile(error_file) else ""
+        )
+        lines.append(f"worker logs: {os.path.abspath(attempt_dir or log_dir)}")
+    print("\n".join(lines), file=out, flush=True)
+
+    primaries = [f for f in failures if f.kind == "primary"]
+    if len(primaries) == 1:
+        return _exit_code(primaries[0])
+    if not primaries and len(failures) == 1:
+        return _exit_code(failures[0])
+    return 1

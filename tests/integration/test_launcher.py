@@ -1,0 +1,221 @@
+"""``torsh-dist run`` end to end: the real CLI in a subprocess, real workers, Gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+TIMEOUT_S = 120
+# Variables of an enclosing launcher would leak into the one under test.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    return env
+
+
+def _cmd(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "torsh_distributed.cli.main", "run", *argv]
+
+
+def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _cmd(*argv), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def write(path: Path, source: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def records(stdout: str, tag: str) -> dict[int, dict]:
+    """``[rankN]: TAG {json}`` lines, keyed by the rank in the prefix."""
+    found = {}
+    for match in re.finditer(rf"^\[rank(\d+)\]: {tag} (\{{.*\}})$", stdout, re.MULTILINE):
+        found[int(match.group(1))] = json.loads(match.group(2))
+    return found
+
+
+def test_two_ranks_get_torchrun_env_and_all_reduce(tmp_path: Path) -> None:
+    write(
+        tmp_path / "worker.py",
+        """
+        import json, os, socket, sys
+        import torch, torch.distributed as dist
+
+        def store_reachable_from_outside():
+            # The single-node store must listen on loopback only: try it from a LAN address.
+            try:
+                probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                probe.connect(("10.255.255.255", 1))
+                lan = probe.getsockname()[0]
+            except OSError:
+                return "skip"
+            if lan.startswith("127."):
+                return "skip"
+            try:
+                socket.create_connection((lan, int(os.environ["MASTER_PORT"])), timeout=2).close()
+                return "connected"
+            except OSError:
+                return "refused"
+
+        dist.init_process_group("gloo")
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+        info = {k: os.environ.get(k) for k in keys}
+        info.update(sum=t.item(), argv=sys.argv[1:], name=__name__,
+                    external=store_reachable_from_outside() if dist.get_rank() == 0 else None)
+        print("INFO", json.dumps(info))
+        print("to stderr", file=sys.stderr)
+        dist.destroy_process_group()
+        """,
+    )
+    result = run_cli("--nproc-per-node", "2", "worker.py", "--lr", "1e-3", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = records(result.stdout, "INFO")
+    assert sorted(seen) == [0, 1], result.stdout
+    for rank, info in seen.items():
+        assert info["RANK"] == str(rank)  # the prefix names the rank that printed the line
+        assert info["LOCAL_RANK"] == str(rank)
+        assert info["WORLD_SIZE"] == info["LOCAL_WORLD_SIZE"] == "2"
+        assert info["GROUP_RANK"] == "0"
+        assert info["MASTER_ADDR"] == "127.0.0.1"
+        assert info["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert info["sum"] == 3.0
+        assert info["argv"] == ["--lr", "1e-3"]
+        assert info["name"] == "__main__"
+    assert seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"]
+    assert seen[0]["external"] in ("refused", "skip")
+    assert "[rank0]: to stderr" in result.stderr and "[rank1]: to stderr" in result.stderr
+
+
+def test_module_form_passes_arguments_through(tmp_path: Path) -> None:
+    write(tmp_path / "torsh_launch_probe" / "__init__.py", "")
+    write(
+        tmp_path / "torsh_launch_probe" / "job.py",
+        """
+        import json, os, sys
+        print("ARGS", json.dumps({"argv": sys.argv[1:], "name": __name__,
+                                  "file": os.path.basename(sys.argv[0])}))
+        """,
+    )
+    result = run_cli(
+        "--nproc-per-node", "2", "-m", "torsh_launch_probe.job", "--flag", "v", "-m", "x",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = records(result.stdout, "ARGS")
+    assert sorted(seen) == [0, 1], result.stdout
+    for info in seen.values():
+        assert info == {"argv": ["--flag", "v", "-m", "x"], "name": "__main__", "file": "job.py"}
+
+
+def test_failing_rank_is_reported_once_with_its_traceback(tmp_path: Path) -> None:
+    write(
+        tmp_path / "fail.py",
+        """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise ValueError("deliberate failure")
+        dist.barrier()  # rank 0 waits for a peer that is gone
+        """,
+    )
+    result = run_cli("--nproc-per-node", "2", "fail.py", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "torsh-dist: rank 1 failed (local rank 1, node 0" in result.stderr, output
+    assert output.count("ValueError: deliberate failure") == 1, output
+    assert output.count('raise ValueError("deliberate failure")') == 1, output
+    assert output.count("Traceback (most recent call last)") == 1, output
+    assert "_bootstrap.py" not in output and "runpy" not in output, output  # wrapper frames hidden
+    # torch's agent noise stays hidden without --verbose
+    assert "closing signal" not in output and "ChildFailedError" not in output, output
+
+
+def test_max_restarts_recovers_from_a_first_attempt_failure(tmp_path: Path) -> None:
+    write(
+        tmp_path / "flaky.py",
+        """
+        import os
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        if attempt == "0" and os.environ["RANK"] == "1":
+            raise RuntimeError("first attempt fails")
+        print("DONE", '{"attempt": %s}' % attempt)
+        """,
+    )
+    result = run_cli("--nproc-per-node", "2", "--max-restarts", "1", "flaky.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    done = [m for m in re.findall(r"^\[rank(\d)\]: DONE (.*)$", result.stdout, re.MULTILINE)]
+    assert ("0", '{"attempt": 1}') in done and ("1", '{"attempt": 1}') in done, result.stdout
+    assert "[rank1]: RuntimeError: first attempt fails (attempt 1 of 2 failed" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc-per-node", "0", "x.py"], "nproc_per_node must be >= 1"),
+        (["--nnodes", "a:b", "x.py"], "nnodes must be 'N' or 'MIN:MAX'"),
+        (["--nnodes", "1:2", "x.py"], "needs rdzv_endpoint"),
+        (["--nproc-per-node", "2"], "name a SCRIPT to run, or -m MODULE"),
+        (["missing.py"], "'missing.py' is not a file"),
+    ],
+)
+def test_invalid_options_exit_with_a_message(tmp_path: Path, argv: list[str], message: str) -> None:
+    write(tmp_path / "x.py", "print('must not run')\n")
+    result = run_cli(*argv, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert "must not run" not in result.stdout
+
+
+def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
+    write(
+        tmp_path / "sleeper.py",
+        """
+        import os, time
+        print("PID", '{"pid": %d}' % os.getpid(), flush=True)
+        time.sleep(60)
+        """,
+    )
+    out = tmp_path / "out.txt"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            _cmd("--nproc-per-node", "2", "sleeper.py"),
+            cwd=tmp_path,
+            env=_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while len(records(out.read_text(), "PID")) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            pids = [info["pid"] for info in records(out.read_text(), "PID").values()]
+            assert len(pids) == 2, out.read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert "received SIGTERM; all workers were stopped" in out.read_text()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone (reaped by the launcher)

@@ -70,4 +70,4 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(optim.warmup_steps - 1, optim=optim, max_steps=100) == pytest.approx(optim.lr)
     assert lr_at(100, optim=optim, max_steps=100) == pytest.approx(optim.lr * optim.min_lr_ratio)
     values = [lr_at(s, optim=optim, max_steps=100) for s in range(optim.warmup_steps, 100)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))

@@ -25,7 +25,6 @@ from torsh_distributed.train.config import PRESETS, TrainConfig, preset
 
 __all__ = ["register", "add_config_arguments", "config_from_args", "main"]
 
-_SECTIONS = ("model", "data", "optim")
 _EPILOG = """\
 examples:
   torsh-dist train --nproc-per-node 2 --preset tiny
@@ -36,7 +35,8 @@ examples:
 
 
 def _fields(cls: type) -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(cls) if f.name not in _SECTIONS]
+    sections = TrainConfig.sections()
+    return [f for f in dataclasses.fields(cls) if cls is not TrainConfig or f.name not in sections]
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -83,10 +83,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset", default="tiny", choices=sorted(PRESETS), help="starting configuration"
     )
     group.add_argument("--config-json", help=argparse.SUPPRESS)
-    sample = TrainConfig()
-    owners: list[tuple[str, type]] = [("", TrainConfig)] + [
-        (name, type(getattr(sample, name))) for name in _SECTIONS
-    ]
+    owners: list[tuple[str, type]] = [("", TrainConfig), *TrainConfig.sections().items()]
     counts: dict[str, int] = {}
     for _, cls in owners:
         for f in _fields(cls):
@@ -96,15 +93,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         for f in _fields(cls):
             dest = f"{section}.{f.name}" if section else f.name
             flags = [f"--{section}.{f.name.replace('_', '-')}"] if section else []
-            if not section or counts[f.name] == 1:
+            if "flags" in f.metadata:
+                flags.extend(f.metadata["flags"])
+            elif not section or counts[f.name] == 1:
                 flags.append(f"--{f.name.replace('_', '-')}")
-            metavar = "BOOL" if _type_of(cls, f) is _parse_bool else f.name.upper()
+            kind = _type_of(cls, f)
+            if kind is _parse_bool and f.metadata.get("negatable"):
+                group.add_argument(
+                    *flags, dest=dest, default=None, action=argparse.BooleanOptionalAction,
+                    help=docs.get(f.name, ""),
+                )
+                continue
             group.add_argument(
                 *flags,
                 dest=dest,
-                type=_type_of(cls, f),
+                type=kind,
                 default=None,
-                metavar=metavar,
+                metavar="BOOL" if kind is _parse_bool else f.name.upper(),
                 help=docs.get(f.name, ""),
             )
 
@@ -114,13 +119,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if getattr(args, "config_json", None):
         return TrainConfig.from_dict(json.loads(args.config_json))
     data = preset(args.preset).to_dict()
+    sections = TrainConfig.sections()
     for key, value in vars(args).items():
         if value is None:
             continue
         section, _, name = key.rpartition(".")
-        if section in _SECTIONS:
+        if section in sections:
             data[section][name] = value
-        elif key in data and key not in _SECTIONS:
+        elif key in data and key not in sections:
             data[key] = value
     return TrainConfig.from_dict(data)
 

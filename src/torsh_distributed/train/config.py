@@ -150,15 +150,24 @@ class TrainConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
+    def sections(cls) -> dict[str, type]:
+        """Nested config sections: field name -> dataclass type (``model``, ``data``, ...)."""
+        sample = cls()
+        return {
+            f.name: type(getattr(sample, f.name))
+            for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(getattr(sample, f.name))
+        }
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
-        sections = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown train config keys: {sorted(unknown)}")
         kwargs = dict(data)
-        for name, section_cls in sections.items():
+        for name, section_cls in cls.sections().items():
             if name in kwargs and isinstance(kwargs[name], dict):
                 kwargs[name] = _section(section_cls, kwargs[name], name)
         return cls(**kwargs)

@@ -18,7 +18,8 @@ from torsh_distributed.cli.main import build_parser
 from torsh_distributed.cli.run import options_from_args
 from torsh_distributed.elastic import LaunchOptions, launch
 from torsh_distributed.elastic._bootstrap import error_record
-from torsh_distributed.elastic.launch import _report, parse_nnodes
+from torsh_distributed.elastic._report import report_failure as _report
+from torsh_distributed.elastic.launch import parse_nnodes
 
 
 def test_defaults_describe_one_local_process() -> None:

@@ -33,37 +33,33 @@ multi-node jobs only on a trusted, isolated network, never with those ports open
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, TextIO
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousParameters,
-    RendezvousStoreInfo,
-    rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
-from torsh_distributed.runtime.env import DEFAULT_MASTER_PORT
-from torsh_distributed.runtime.errors import ConfigurationError, ProcessFailureError
+from torsh_distributed.elastic._rendezvous import LOCAL_BACKEND as _LOCAL_BACKEND
+from torsh_distributed.elastic._rendezvous import Plan as _Plan
+from torsh_distributed.elastic._rendezvous import is_loopback as _is_loopback
+from torsh_distributed.elastic._rendezvous import loopback_interface as _loopback_interface
+from torsh_distributed.elastic._rendezvous import plan as _plan
+from torsh_distributed.elastic._report import report_failure as _report
+from torsh_distributed.runtime.errors import ProcessFailureError
 
 __all__ = ["LaunchOptions", "launch", "RDZV_BACKENDS", "LOG_LINE_PREFIX", "parse_nnodes"]
 
@@ -72,22 +68,9 @@ LOG_LINE_PREFIX = "[rank${rank}]: "
 """Prefix of each worker output line (torch's ``log_line_prefix_template``)."""
 
 _BOOTSTRAP = "torsh_distributed.elastic._bootstrap"
-_LOCAL_BACKEND = "torsh-local"
-_RDZV_TIMEOUT_S = 900
 _DEFAULT_C10D_PORT = 29400
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-# Exit signals the agent itself sends when it stops the rest of a failed group.
-_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
-# Errors a rank sees because a *peer* died: never the root cause while a primary failure exists.
-_SECONDARY_MARKERS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "connection refused",
-    "socket closed",
-)
-
 
 def parse_nnodes(nnodes: str) -> tuple[int, int]:
     """``"N"`` -> ``(N, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)``; ValueError naming ``nnodes``."""
@@ -246,143 +229,6 @@ class LaunchOptions:
     def max_nodes(self) -> int:
         """Most nodes the job admits."""
         return parse_nnodes(self.nnodes)[1]
-
-
-# --- rendezvous ------------------------------------------------------------------------------
-
-
-class _LocalRendezvous(RendezvousHandler):
-    """A one-node static rendezvous whose store listens on one socket that we bound.
-
-    torch's static rendezvous creates ``TCPStore(master_addr, ...)``, which listens on every
-    interface; this one passes ``master_listen_fd`` instead, so it listens only where we bound.
-    """
-
-    def __init__(self, *, addr: str, port: int, listener: socket.socket, run_id: str, timeout: int):
-        self._addr = addr
-        self._port = port
-        self._listener = listener
-        self._run_id = run_id
-        self._timeout = timedelta(seconds=timeout)
-        self._store: dist.TCPStore | None = None
-
-    def get_backend(self) -> str:
-        return _LOCAL_BACKEND
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True  # workers reuse this store (MASTER_ADDR/PORT) instead of opening another
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        if self._store is None:
-            fd = self._listener.detach()  # the store owns and closes the descriptor from here on
-            self._store = dist.TCPStore(
-                self._addr, self._port, 1, True, self._timeout, master_listen_fd=fd
-            )
-        store = dist.PrefixStore(self._run_id, self._store)
-        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(self._addr, self._port))
-
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self._run_id
-
-    def shutdown(self) -> bool:
-        return True
-
-
-def _create_local_handler(params: RendezvousParameters) -> RendezvousHandler:
-    addr, port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
-    return _LocalRendezvous(
-        addr=addr,
-        port=port,
-        listener=params.config["listener"],
-        run_id=params.run_id,
-        timeout=int(params.config.get("timeout", _RDZV_TIMEOUT_S)),
-    )
-
-
-rendezvous_handler_registry.register(_LOCAL_BACKEND, _create_local_handler)
-
-
-@dataclass(slots=True)
-class _Plan:
-    backend: str
-    endpoint: str
-    configs: dict[str, Any]
-    listener: socket.socket | None = None
-
-
-def _url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
-
-
-def _listen(addr: str, port: int) -> socket.socket:
-    host = addr.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, sockaddr = infos[0]
-    except socket.gaierror as exc:
-        raise ConfigurationError(
-            f"master_addr {addr!r} does not resolve: {exc}", operation="launch"
-        ) from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise ConfigurationError(
-            f"cannot listen on {addr}:{port} for the rendezvous store: {exc.strerror or exc}",
-            operation="launch",
-            fix="pick another --master-port, or leave it unset to use a free one."
-            if port
-            else "check that master_addr is an address of this host.",
-        ) from None
-    return sock
-
-
-def _plan(options: LaunchOptions) -> _Plan:
-    if options.rdzv_endpoint is not None:
-        configs: dict[str, Any] = {"timeout": _RDZV_TIMEOUT_S}
-        if options.rdzv_backend == "static":
-            configs["rank"] = options.node_rank
-        return _Plan(options.rdzv_backend, options.rdzv_endpoint.strip(), configs)
-    if options.max_nodes == 1:
-        listener = _listen(options.master_addr, options.master_port or 0)
-        port = int(listener.getsockname()[1])
-        endpoint = f"{_url_host(options.master_addr)}:{port}"
-        configs = {"rank": 0, "timeout": _RDZV_TIMEOUT_S, "listener": listener}
-        return _Plan(_LOCAL_BACKEND, endpoint, configs, listener)
-    port = options.master_port or DEFAULT_MASTER_PORT
-    endpoint = f"{_url_host(options.master_addr)}:{port}"
-    return _Plan("static", endpoint, {"rank": options.node_rank, "timeout": _RDZV_TIMEOUT_S})
-
-
-def _is_loopback(addr: str) -> bool:
-    host = addr.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (OSError, AttributeError):
-        return None
-    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def _worker_env(options: LaunchOptions, plan: _Plan) -> dict[str, str]:
@@ -586,113 +432,3 @@ def launch(
             plan.listener.close()  # never handed to a store (the agent failed before rendezvous)
         if own_log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
-
-
-# --- the failure report ----------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Failure:
-    rank: int
-    failure: ProcessFailure
-    info: dict[str, Any]
-    summary: str
-    traceback: str
-    kind: str  # "primary", "secondary" (caused by a peer) or "stopped" (by the launcher)
-    time_ns: int
-
-
-def _classify(rank: int, failure: ProcessFailure) -> _Failure:
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    info = data.get("torsh") if isinstance(data.get("torsh"), dict) else {}
-    message = failure.message
-    traceback_text = ""
-    if isinstance(message, dict):
-        summary = str(message.get("message", ""))
-        traceback_text = str(message.get("extraInfo", {}).get("py_callstack", ""))
-    else:
-        summary = ""
-    summary = str(info.get("summary") or summary)
-    has_record = bool(summary)
-    signum = -failure.exitcode if failure.exitcode < 0 else None
-    if has_record:
-        lowered = summary.lower()
-        kind = "secondary" if any(m in lowered for m in _SECONDARY_MARKERS) else "primary"
-    elif signum is not None and signum in {int(s) for s in _STOP_SIGNALS}:
-        kind = "stopped"
-    else:
-        kind = "primary"  # a crash (SIGSEGV, SIGABRT) or an exit code without an exception
-    if not has_record:
-        if signum is not None:
-            summary = f"killed by {failure.signal_name()}"
-        else:
-            summary = f"exited with code {failure.exitcode} without raising (sys.exit or os._exit)"
-    time_ns = int(info.get("time_ns") or failure.timestamp * 1_000_000_000)
-    return _Failure(rank, failure, info, summary, traceback_text, kind, time_ns)
-
-
-def _root_cause(failures: Iterable[_Failure]) -> _Failure:
-    order = {"primary": 0, "secondary": 1, "stopped": 2}
-    return min(failures, key=lambda f: (order[f.kind], f.time_ns, f.rank))
-
-
-def _exit_code(failure: _Failure) -> int:
-    code = failure.failure.exitcode
-    return code if code > 0 else 128 - code
-
-
-def _status(failure: ProcessFailure) -> str:
-    code = failure.exitcode
-    return f"exit code {code}" if code >= 0 else f"killed by {failure.signal_name()}"
-
-
-def _report(exc: ChildFailedError, *, node: int | None, log_dir: str | None, out: TextIO) -> int:
-    """Print one block for a failed job; return the launcher's exit code.
-
-    ``failures`` are this node's workers (each node's agent reports its own); ``node`` is this
-    node's rank when the rendezvous fixed it, for workers that died without an error file.
-    """
-    failures = [_classify(rank, f) for rank, f in exc.failures.items()]
-    root = _root_cause(failures)
-    where = [f"local rank {root.failure.local_rank}"]
-    group_rank = root.info.get("group_rank", node)
-    if group_rank is not None:
-        where.append(f"node {group_rank}")
-    where.append(f"host {root.info.get('host') or socket.gethostname()}")
-    lines = [f"torsh-dist: rank {root.rank} failed ({', '.join(where)}; {_status(root.failure)})"]
-    if root.traceback:
-        lines.append(root.traceback.rstrip("\n"))
-    else:
-        lines.append(f"no Python traceback: {root.summary}; see the rank's output above")
-    others = sorted(
-        (f for f in failures if f is not root and f.kind != "stopped"), key=lambda f: f.rank
-    )
-    if others:
-        lines.append("other failed ranks:")
-        for other in others:
-            first = (other.summary.splitlines() or [""])[0]
-            if len(first) > 200:
-                first = first[:197] + "..."
-            lines.append(
-                f"  rank {other.rank} (local rank {other.failure.local_rank}): {first} "
-                f"({_status(other.failure)})"
-            )
-    stopped = sorted(f.rank for f in failures if f is not root and f.kind == "stopped")
-    if stopped:
-        lines.append(
-            f"stopped by the launcher after the failure: ranks {', '.join(map(str, stopped))}"
-        )
-    if log_dir is not None:
-        error_file = root.failure.error_file
-        attempt_dir = (
-            os.path.dirname(os.path.dirname(error_file)) if os.path.isfile(error_file) else ""
-        )
-        lines.append(f"worker logs: {os.path.abspath(attempt_dir or log_dir)}")
-    print("\n".join(lines), file=out, flush=True)
-
-    primaries = [f for f in failures if f.kind == "primary"]
-    if len(primaries) == 1:
-        return _exit_code(primaries[0])
-    if not primaries and len(failures) == 1:
-        return _exit_code(failures[0])
-    return 1

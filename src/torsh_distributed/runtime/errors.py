@@ -93,3 +93,20 @@ class FeatureNotAvailableError(TorshDistributedError):
 
 class RankOutOfRangeError(TorshDistributedError, ValueError):
     """A rank is negative or not below the world size."""
+
+
+# What a rank sees when a *peer* died: such a rank is a victim, never the root cause while a rank
+# that failed on its own exists. Used by the launcher's report and the test harness.
+_PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+)
+
+
+def is_peer_failure(message: str) -> bool:
+    """True when ``message`` describes a failure caused by another rank disappearing."""
+    lowered = message.lower()
+    return any(marker in lowered for marker in _PEER_FAILURE_MARKERS)

@@ -35,7 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torsh_distributed.runtime.errors import DistributedTimeoutError, ProcessFailureError
+from torsh_distributed.runtime.errors import (
+    DistributedTimeoutError,
+    ProcessFailureError,
+    is_peer_failure,
+)
 
 __all__ = ["run_distributed", "distributed_test", "find_free_port", "RankFailedError"]
 
@@ -244,16 +248,13 @@ def run_distributed(
         stack_dir.rmdir()
 
 
-_SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe")
-
-
 def _root_cause(errors: dict[int, tuple[str, str]]) -> int:
     """The rank that failed first on its own (not because a peer vanished).
 
     ``errors`` is in arrival order; a rank whose error says its peer disconnected is a victim.
     """
     for rank, (summary, _) in errors.items():
-        if not any(marker in summary.lower() for marker in _SECONDARY):
+        if not is_peer_failure(summary):
             return rank
     return next(iter(errors))
 

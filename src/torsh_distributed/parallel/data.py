@@ -6,11 +6,17 @@ decides when wrapping is meaningful and fixes the defaults we rely on.
 
 from __future__ import annotations
 
+import inspect
+
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["apply_ddp", "unwrap"]
+
+_DDP_HAS_FORWARD_SYNC = (
+    "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+)
 
 
 def apply_ddp(
@@ -39,12 +45,14 @@ def apply_ddp(
         return model
     device = next(model.parameters()).device
     device_ids = [device.index] if device.type == "cuda" else None
+    # torch >= 2.13 renamed broadcast_buffers (deprecated, warns) to forward_sync_buffers.
+    buffers_kw = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC else "broadcast_buffers"
     return DistributedDataParallel(
         model,
         device_ids=device_ids,
         process_group=process_group,
         bucket_cap_mb=bucket_cap_mb,
-        broadcast_buffers=broadcast_buffers,
+        **{buffers_kw: broadcast_buffers},
     )
 
 

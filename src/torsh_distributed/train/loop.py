@@ -148,16 +148,17 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
     optimizer = _optimizer(base, config.optim)
     tokens_per_step = config.batch_size * config.model.block_size
 
-    progress = Progress(
-        total=config.max_steps, enabled=runtime.is_main and config.progress, desc="train"
-    )
     if runtime.is_main:
-        progress.write(
+        print(
             f"torsh-dist train: {base.num_params() / 1e6:.2f}M params, world size {size} "
             f"({runtime.backend}), global batch {config.batch_size} ({per_rank}/rank) x "
             f"{config.model.block_size} tokens, corpus {corpus.train.numel() / 1e6:.2f}M train / "
-            f"{corpus.val.numel() / 1e6:.2f}M val bytes from {corpus.num_files} files"
+            f"{corpus.val.numel() / 1e6:.2f}M val bytes from {corpus.num_files} files",
+            flush=True,
         )
+    progress = Progress(
+        total=config.max_steps, enabled=runtime.is_main and config.progress, desc="train"
+    )
     losses: list[float] = []
     val_loss = float("nan")
     loop_time = 0.0

@@ -4,19 +4,61 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from typing import TextIO
 
 from tqdm import tqdm
 
 __all__ = ["Progress", "format_summary"]
 
 
-class Progress:
-    """A tqdm bar that exists only where ``enabled`` (rank 0); a no-op elsewhere."""
+class _LineStream:
+    """Turns tqdm's carriage-return redraws into whole lines.
 
-    def __init__(self, *, total: int, enabled: bool, desc: str) -> None:
+    Under ``torsh-dist run`` a rank's stdout is a pipe that the launcher prefixes line by line;
+    redraws with ``\r`` would pile up on one prefixed line, so each redraw becomes a line.
+    """
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._buffer = ""
+
+    def write(self, text: str) -> int:
+        for char in text:
+            if char in "\r\n":
+                self._emit()
+            else:
+                self._buffer += char
+        return len(text)
+
+    def _emit(self) -> None:
+        if self._buffer.strip():
+            self._out.write(self._buffer.rstrip() + "\n")
+        self._buffer = ""
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def close(self) -> None:
+        self._emit()
+        self.flush()
+
+
+class Progress:
+    """A tqdm bar that exists only where ``enabled`` (rank 0); a no-op elsewhere.
+
+    On a terminal the bar redraws in place; otherwise (a pipe, a log file, the launcher) every
+    refresh is printed as one line, at most every ``mininterval`` seconds.
+    """
+
+    def __init__(self, *, total: int, enabled: bool, desc: str, out: TextIO | None = None) -> None:
+        out = out or sys.stdout
+        self._stream: _LineStream | None = None
+        if enabled and not out.isatty():
+            self._stream = _LineStream(out)
         self._bar = (
-            tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stdout,
-                 mininterval=0.5, leave=True)
+            tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True,
+                 file=self._stream or out, mininterval=0.5 if self._stream is None else 2.0,
+                 leave=True, ascii=self._stream is not None)
             if enabled
             else None
         )
@@ -30,13 +72,15 @@ class Progress:
 
     def write(self, text: str) -> None:
         if self._bar is not None:
-            self._bar.write(text, file=sys.stdout)
+            self._bar.write(text, file=self._stream or sys.stdout)
         elif self._enabled:
             print(text, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        if self._stream is not None:
+            self._stream.close()
 
 
 def _fmt(value: float | int | str) -> str:

@@ -46,3 +46,8 @@ def test_rank_shares_concatenate_to_the_global_batch():
     assert torch.equal(y[:, :-1], x[:, 1:])
     other, _ = sample_batch(tokens, seed=3, step=8, batch_size=8, block_size=16)
     assert not torch.equal(other, x)
+
+
+def test_small_corpus_still_has_a_validation_split():
+    corpus = load_corpus(DataConfig(max_bytes=100_000))
+    assert corpus.val.numel() > 0 and corpus.train.numel() > corpus.val.numel()

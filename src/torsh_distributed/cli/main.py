@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from torsh_distributed import __version__
+from torsh_distributed.runtime.errors import TorshDistributedError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,14 +22,24 @@ def build_parser() -> argparse.ArgumentParser:
     from torsh_distributed.cli import train as train_cmd
 
     run_cmd.register(sub)
+    from torsh_distributed.cli import checkpoint as checkpoint_cmd  # issue 5
+
+    checkpoint_cmd.register(sub)
     train_cmd.register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``torsh-dist``; user errors print one line and exit 2 instead of a traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError, TorshDistributedError) as exc:
+        print(f"torsh-dist {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

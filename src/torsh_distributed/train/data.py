@@ -2,7 +2,8 @@
 
 Each ``.py`` file directly in the standard library directory is read as bytes, in sorted order,
 until ``max_bytes``. A file goes to validation when a hash of its *name* falls below
-``val_percent``, so the split does not depend on the order of reading or on ``max_bytes``.
+``val_percent``, so the split does not depend on the order of reading or on ``max_bytes`` (when
+a small ``max_bytes`` reads no such file, the last file read is held out instead).
 
 Sampling is a pure function of ``(seed, step)``: the global batch for a step is drawn once and
 rank ``r`` of ``n`` takes rows ``[r*B/n, (r+1)*B/n)``. Runs at different world sizes with the
@@ -81,6 +82,8 @@ def load_corpus(config: DataConfig, *, min_tokens: int = 0) -> Corpus:
         (val_parts if _is_val(path.name, config.val_percent) else train_parts).append(part)
         total += len(text)
         used += 1
+    if not val_parts and len(train_parts) > 1:
+        val_parts.append(train_parts.pop())  # too few files for the hash to pick one: hold out the last
     train, val = _tokens(train_parts), _tokens(val_parts)
     for split, tokens in (("train", train), ("validation", val)):
         if tokens.numel() < max(min_tokens, 2):

@@ -14,12 +14,12 @@ $(PY):
 # torch is pinned here (the machine's CPU build); the package itself requires torch>=2.4.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev,redis]"
+	$(PY) -m pip install --quiet -e ".[dev,redis,monitor]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# Debian packages the integration tests use (redis-server); installed only when missing and
+# Debian packages the integration tests use (redis-server, prometheus, chromium); installed only when missing and
 # when we are root with apt-get, otherwise those tests skip with a reason.
 system-deps:
 	@bash scripts/install-system-deps.sh

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint_cmd.register(sub)
     train_cmd.register(sub)
+    __import__("torsh_distributed.cli.bench", fromlist=["register"]).register(sub)  # issue 3
+    __import__("torsh_distributed.cli.plan", fromlist=["register"]).register(sub)  # issue 4
     return parser
 
 

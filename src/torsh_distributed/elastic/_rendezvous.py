@@ -57,11 +57,16 @@ class _LocalRendezvous(RendezvousHandler):
         return True  # workers reuse this store (MASTER_ADDR/PORT) instead of opening another
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if self._store is None:
-            fd = self._listener.detach()  # the store owns and closes the descriptor from here on
-            self._store = dist.TCPStore(
-                self._addr, self._port, 1, True, self._timeout, master_listen_fd=fd
-            )
+        if self._store is not None:
+            # A restart (issue 5): workers' keys (Gloo addresses, barriers) of the dead attempt
+            # live in the old store, so the new attempt gets a fresh store on a fresh port, as
+            # torch's own rendezvous does ("a new TCPStore for every retry").
+            self._listener = _listen(self._addr, 0)
+            self._port = int(self._listener.getsockname()[1])
+        fd = self._listener.detach()  # the store owns and closes the descriptor from here on
+        self._store = dist.TCPStore(
+            self._addr, self._port, 1, True, self._timeout, master_listen_fd=fd
+        )
         store = dist.PrefixStore(self._run_id, self._store)
         return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(self._addr, self._port))
 

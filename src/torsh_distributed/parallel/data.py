@@ -7,29 +7,66 @@ decides when wrapping is meaningful and fixes the defaults we rely on.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["apply_ddp", "unwrap"]
+__all__ = ["DDPOptions", "apply_ddp", "ddp_options", "unwrap"]
 
 _DDP_HAS_FORWARD_SYNC = (
     "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
 )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DDPOptions:
+    """DDP's wrapper options (see :func:`apply_ddp` for each trade-off)."""
+
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 0.0
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    init_sync: bool = True
+    broadcast_buffers: bool = False
+
+
+_OPTIONS: ContextVar[DDPOptions] = ContextVar("ddp_options", default=DDPOptions())  # noqa: B039 (frozen)
+
+
+@contextmanager
+def ddp_options(options: DDPOptions) -> Iterator[None]:
+    """Defaults of :func:`apply_ddp` inside the block (for callers that reach DDP through
+    ``parallelize`` without passing options themselves)."""
+    token = _OPTIONS.set(options)
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
 def apply_ddp(
     model: nn.Module,
     *,
     process_group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    broadcast_buffers: bool = False,
+    bucket_cap_mb: float | None = None,
+    broadcast_buffers: bool | None = None,
+    first_bucket_mb: float | None = None,
+    static_graph: bool | None = None,
+    gradient_as_bucket_view: bool | None = None,
+    find_unused_parameters: bool | None = None,
+    init_sync: bool | None = None,
 ) -> nn.Module:
     """Wrap ``model`` in DDP over ``process_group`` (default: the world).
 
     Returns the model unchanged when there is no process group or a single rank, so callers need
-    no special case for ``world_size == 1``.
+    no special case for ``world_size == 1``. Options left ``None`` come from the enclosing
+    :func:`ddp_options` block (defaults: :class:`DDPOptions`).
 
     Args:
         model: Module whose parameters are already on this rank's device.
@@ -38,7 +75,26 @@ def apply_ddp(
             (better bandwidth, less overlap with backward).
         broadcast_buffers: Re-broadcast buffers from rank 0 every forward. Off: our models
             keep no running statistics, and it costs a collective per step.
+        first_bucket_mb: Size of the first bucket (gradients ready first); smaller starts the
+            first all-reduce earlier. 0 = ``bucket_cap_mb``. Buckets are then fixed from the
+            first step (no rebuild after step 1).
+        static_graph: The used parameters never change: DDP skips per-step bookkeeping.
+        gradient_as_bucket_view: Gradients alias the buckets: one gradient copy less memory.
+        find_unused_parameters: Search the graph for parameters without gradients every step
+            (needed only when forward skips parameters; costs a traversal).
+        init_sync: Broadcast rank 0's parameters and buffers at wrap time.
     """
+    opts = _OPTIONS.get()
+    given = {
+        "bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": broadcast_buffers,
+        "first_bucket_mb": first_bucket_mb, "static_graph": static_graph,
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+        "find_unused_parameters": find_unused_parameters, "init_sync": init_sync,
+    }
+    opts = replace(opts, **{k: v for k, v in given.items() if v is not None})
+    bucket_cap_mb = opts.bucket_cap_mb
+    if opts.first_bucket_mb < 0:
+        raise ValueError(f"first_bucket_mb must be >= 0, got {opts.first_bucket_mb}")
     if bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
     if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
@@ -47,12 +103,20 @@ def apply_ddp(
     device_ids = [device.index] if device.type == "cuda" else None
     # torch >= 2.13 renamed broadcast_buffers (deprecated, warns) to forward_sync_buffers.
     buffers_kw = "forward_sync_buffers" if _DDP_HAS_FORWARD_SYNC else "broadcast_buffers"
+    extra: dict[str, object] = {}
+    if opts.first_bucket_mb and opts.first_bucket_mb != bucket_cap_mb:
+        extra["bucket_cap_mb_list"] = [opts.first_bucket_mb, bucket_cap_mb]
     return DistributedDataParallel(
         model,
         device_ids=device_ids,
         process_group=process_group,
         bucket_cap_mb=bucket_cap_mb,
-        **{buffers_kw: broadcast_buffers},
+        static_graph=opts.static_graph,
+        gradient_as_bucket_view=opts.gradient_as_bucket_view,
+        find_unused_parameters=opts.find_unused_parameters,
+        init_sync=opts.init_sync,
+        **{buffers_kw: opts.broadcast_buffers},
+        **extra,
     )
 
 

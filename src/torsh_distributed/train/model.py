@@ -17,19 +17,22 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.head_dim = config.d_model // config.n_head
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, seq, self.n_head, width // self.n_head)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        # chunk/-1 rather than the full width: under tensor parallelism (issue 7) qkv yields only
+        # this rank's heads, grouped [q | k | v] per rank (see parallel/tensor.py)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        shape = (batch, seq, -1, self.head_dim)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):

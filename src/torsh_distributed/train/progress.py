@@ -102,9 +102,24 @@ _LABELS = {
 }
 
 
-def format_summary(summary: Mapping[str, float | int | str]) -> str:
-    """A two-column table of the summary fields, known ones first and labelled."""
-    rows = [(_LABELS.get(k, k), _fmt(v)) for k, v in summary.items()]
+def _flatten(summary: Mapping[str, object], prefix: str = "") -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for key, value in summary.items():
+        label = _LABELS.get(key, key) if not prefix else f"{prefix} {key.replace('_', ' ')}"
+        if isinstance(value, Mapping):
+            rows.extend(_flatten(value, label))
+        elif isinstance(value, (int, float, str)):
+            rows.append((label, _fmt(value)))
+    return rows
+
+
+def format_summary(summary: Mapping[str, object]) -> str:
+    """A two-column table of the summary fields, known ones first and labelled.
+
+    Nested sections (``{"compression": {"ratio": 4.0}}``) become rows such as
+    ``compression ratio``; lists are left to the JSON summary.
+    """
+    rows = _flatten(summary)
     order = list(_LABELS.values())
     rows.sort(key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
     width = max(len(k) for k, _ in rows)

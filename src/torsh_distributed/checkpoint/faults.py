@@ -1,0 +1,119 @@
+"""Fault injection for tests and benchmarks, driven by the ``TORSH_FAULT`` environment variable.
+
+``TORSH_FAULT`` holds comma-separated faults ``KIND:key=value:...``:
+
+* ``kill:rank=R:step=S``: rank R sends itself SIGKILL after completing step S;
+* ``kill-in-save:rank=R:step=S``: rank R sends itself SIGKILL right after starting the save of
+  step S (an asynchronous save is then still being written);
+* ``slow:rank=R:ms=M``: rank R sleeps M milliseconds in every step (a straggler).
+
+Kills fire only in the first attempt of an elastic job (``TORCHELASTIC_RESTART_COUNT`` 0 or
+unset) unless ``attempt=N`` says otherwise, so the restarted job runs clean. With
+``TORSH_FAULT_LOG=FILE`` every rank appends JSON lines (``kill``, ``resumed``, ``first_step``) with
+wall-clock times, from which tests and ``benchmarks/bench_checkpoint.py`` measure redone steps and
+recovery time. Nothing happens when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+__all__ = ["Fault", "parse", "active", "on_step_end", "on_save_started", "log_event"]
+
+KINDS = ("kill", "kill-in-save", "slow")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One parsed fault."""
+
+    kind: str
+    """``kill``, ``kill-in-save`` or ``slow``."""
+    rank: int
+    """The rank it hits."""
+    step: int = -1
+    """The step it fires at (kills)."""
+    ms: float = 0.0
+    """Milliseconds of sleep per step (``slow``)."""
+    attempt: int = 0
+    """Elastic attempt (restart count) in which a kill fires."""
+
+
+def parse(spec: str) -> list[Fault]:
+    """Parse a ``TORSH_FAULT`` value; ``ValueError`` names the bad part."""
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, *pairs = part.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"TORSH_FAULT: unknown kind {kind!r} in {part!r}; use one of {KINDS}")
+        values: dict[str, float] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or key not in ("rank", "step", "ms", "attempt"):
+                raise ValueError(f"TORSH_FAULT: bad field {pair!r} in {part!r}")
+            values[key] = float(value)
+        if "rank" not in values or (kind != "slow" and "step" not in values):
+            raise ValueError(f"TORSH_FAULT: {part!r} needs rank= and (for kills) step=")
+        faults.append(
+            Fault(
+                kind=kind,
+                rank=int(values["rank"]),
+                step=int(values.get("step", -1)),
+                ms=values.get("ms", 0.0),
+                attempt=int(values.get("attempt", 0)),
+            )
+        )
+    return faults
+
+
+def active() -> list[Fault]:
+    """The faults of this process's environment (empty when ``TORSH_FAULT`` is unset)."""
+    return parse(os.environ.get("TORSH_FAULT", ""))
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def log_event(event: str, **fields: object) -> None:
+    """Append one JSON line to ``TORSH_FAULT_LOG`` (if set)."""
+    path = os.environ.get("TORSH_FAULT_LOG")
+    if not path:
+        return
+    record = {"event": event, "t": time.time(), "attempt": _attempt(), **fields}
+    with open(path, "a", encoding="utf-8") as fp:
+        fp.write(json.dumps(record) + "\n")
+        fp.flush()
+        os.fsync(fp.fileno())
+
+
+def _kill(rank: int, step: int, where: str) -> None:
+    log_event("kill", rank=rank, step=step, where=where)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def on_step_end(step: int, rank: int, faults: list[Fault]) -> None:
+    """Apply ``slow`` and ``kill`` faults after ``step`` steps completed on ``rank``."""
+    for fault in faults:
+        if fault.rank != rank:
+            continue
+        if fault.kind == "slow":
+            time.sleep(fault.ms / 1000.0)
+        elif fault.kind == "kill" and fault.step == step and fault.attempt == _attempt():
+            _kill(rank, step, "step")
+
+
+def on_save_started(step: int, rank: int, faults: list[Fault]) -> None:
+    """Apply ``kill-in-save`` faults once the save of ``step`` has been started on ``rank``."""
+    for fault in faults:
+        if (
+            fault.kind == "kill-in-save"
+            and fault.rank == rank
+            and fault.step == step
+            and fault.attempt == _attempt()
+        ):
+            _kill(rank, step, "save")

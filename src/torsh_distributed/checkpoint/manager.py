@@ -1,0 +1,600 @@
+"""The checkpoint manager: verified, atomically committed, optionally asynchronous DCP checkpoints.
+
+Layout of ``directory``::
+
+    step_00000020/            committed: DCP shards (__R_0.distcp), .metadata, rank_RRRRR.json,
+                              meta.json, manifest.json (SHA-256 of every file), COMMITTED
+    .tmp-step_00000030/       being written (or left behind by a kill): never loaded
+
+A save (every rank calls :meth:`CheckpointManager.save` at the same step):
+
+1. each rank writes ``rank_R.json`` (its RNG states and any per-rank JSON) into the temporary
+   directory, rank 0 also ``meta.json`` (step, world size, config hash, metric, the caller's JSON);
+2. model and optimizer state come from ``torch.distributed.checkpoint.state_dict.get_state_dict``
+   (so DDP, FSDP2 and ZeRO-sharded models all work, and a checkpoint reshards on load) and are written
+   by ``dcp.save``, or by ``dcp.async_save`` whose only cost to the training loop is the copy into
+   host memory ("staging");
+3. when DCP has finished, every rank has written its files (DCP's coordinator gathers every rank's
+   write results before writing ``.metadata``), so rank 0 hashes every file into ``manifest.json``,
+   writes the ``COMMITTED`` marker and renames the directory to its final name. Then old
+   checkpoints are pruned (:mod:`~torsh_distributed.checkpoint.retention`).
+
+A kill at any moment leaves either a committed, verifiable checkpoint or a ``.tmp-`` directory that
+is ignored and removed by the next manager. Loading verifies the chosen checkpoint first; a missing,
+partial or corrupt checkpoint is reported (file and reason) and the next older one is tried.
+
+Requires a file system every rank sees at the same path (one node, or a shared mount).
+Background saves run collectives on a dedicated Gloo group so they never interleave with the
+training loop's collectives on the default group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from torsh_distributed.checkpoint import manifest, retention
+from torsh_distributed.checkpoint._safe import SafeFileSystemReader
+from torsh_distributed.checkpoint.resume import capture_rng, restore_rng
+from torsh_distributed.comm.dims import side_group
+from torsh_distributed.runtime.errors import CheckpointError
+
+__all__ = ["CheckpointManager", "CheckpointInfo", "LoadedCheckpoint", "step_dir_name", "scan"]
+
+log = logging.getLogger(__name__)
+
+# A world of one is a supported case, not a mistake worth a warning on every save.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint of ``step`` (sorts by step)."""
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One entry of :func:`scan`."""
+
+    path: Path
+    """The checkpoint directory."""
+    step: int
+    """Optimizer steps done when it was saved."""
+    valid: bool
+    """Result of the verification."""
+    reason: str
+    """Why it is invalid (empty when valid)."""
+    file: str
+    """File at fault (empty when valid)."""
+    size_bytes: int
+    """Total size of its files."""
+    meta: dict[str, Any] | None
+    """Its ``meta.json`` when valid."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    """What :meth:`CheckpointManager.load` restored."""
+
+    path: Path
+    """The checkpoint directory loaded."""
+    step: int
+    """Step to continue from."""
+    meta: dict[str, Any]
+    """``meta.json``; ``meta["extra"]`` holds the JSON given to :meth:`CheckpointManager.save`."""
+    rank_state: dict[str, Any] | None
+    """This rank's JSON from the save, or ``None`` when the world size changed."""
+    rng_restored: bool
+    """False when the world size changed (RNG states are per rank and were left alone)."""
+    skipped: list[str] = field(default_factory=list)
+    """Descriptions of newer checkpoints that were invalid and skipped."""
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def scan(directory: str | Path, *, deep: bool = True) -> list[CheckpointInfo]:
+    """Every ``step_*`` checkpoint in ``directory``, newest first, each verified.
+
+    Args:
+        directory: The checkpoint root.
+        deep: Re-hash file contents (see :func:`~torsh_distributed.checkpoint.manifest.verify`).
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    infos = []
+    for step, path in sorted(found, reverse=True):
+        verdict = manifest.verify(path, deep=deep)
+        infos.append(
+            CheckpointInfo(
+                path=path,
+                step=step,
+                valid=verdict.valid,
+                reason=verdict.reason,
+                file=verdict.file,
+                size_bytes=_dir_size(path),
+                meta=verdict.meta,
+            )
+        )
+    return infos
+
+
+class _ReusedBuffersStager(BlockingAsyncStager):
+    """Stage into host buffers allocated once and reused by later saves of the same structure.
+
+    torch's caching stager pins its buffers, which needs an accelerator; pinning only helps
+    device-to-host copies, so buffers are pinned only when CUDA is available.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(cache_staged_state_dict=True)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(
+                state_dict, pin_memory=torch.cuda.is_available()
+            )
+        return _copy_state_dict(state_dict, self.state_dict_cache)
+
+
+def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, ...]:
+    """Identity of every tensor a checkpoint holds: equal iff a cached state-dict view is valid."""
+
+    def ptr(tensor: torch.Tensor) -> int:
+        return getattr(tensor, "_local_tensor", tensor).data_ptr()  # DTensor: its local shard
+
+    ptrs = [ptr(t) for t in (*model.parameters(), *model.buffers())]
+    if optimizer is not None:
+        inner = optimizer.optim if _is_zero1(optimizer) else optimizer  # type: ignore[attr-defined]
+        for entries in inner.state.values():
+            ptrs.extend(ptr(v) for v in entries.values() if torch.is_tensor(v))
+        ptrs.append(len(inner.state))
+    return (id(model), id(optimizer), tuple(ptrs))
+
+
+def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _zero1_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """ZeRO-1's optimizer state of this rank's partition, as ``{"state": {fqn: {key: tensor}}}``.
+
+    ``ZeroRedundancyOptimizer`` keeps the state of a partition of whole parameters in an inner
+    optimizer. Each parameter's state is saved once under its fully qualified name (the
+    partitions are disjoint, DCP writes each key once); at another world size the partition
+    differs and every rank reads the keys it now owns. The tensors returned are the optimizer's
+    own, so ``dcp.load`` fills them in place. Hyper-parameters are not saved: the trainer sets
+    them from its config (and the learning rate from the step) anyway. The layout is the
+    ``state`` part of torch's optimizer state dict, so a DDP/FSDP checkpoint loads into ZeRO-1.
+    """
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    inner = optimizer.optim  # type: ignore[attr-defined]
+    _init_optim_state(inner)  # allocate state (zero-gradient step with lr 0) before loading
+    module = model.module if hasattr(model, "module") else model
+    names = {id(p): fqn for fqn, p in module.named_parameters()}
+    state: dict[str, dict[str, Any]] = {}
+    for param, entries in inner.state.items():
+        state[names[id(param)]] = {
+            key: value if torch.is_tensor(value) else torch.tensor(value)
+            for key, value in entries.items()
+        }
+    return {"state": state}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class CheckpointManager:
+    """Save, commit, verify, prune and load checkpoints of one training run.
+
+    Construct it on every rank (collectively: it creates process groups). Every rank must call
+    :meth:`due`, :meth:`save` and :meth:`load` at the same points of the program.
+
+    Args:
+        directory: Root of the checkpoints; created if missing.
+        keep_last: Keep the newest N committed checkpoints; 0 = keep all.
+        keep_best: Also keep the N with the lowest ``metric``.
+        every_steps: :meth:`due` is true every N steps; 0 = not by steps.
+        every_s: :meth:`due` is true when N seconds passed since the last save (rank 0's clock,
+            broadcast, so ranks agree); 0 = not by time. Costs one tiny broadcast per step.
+        async_save: Write in the background; the caller waits only for the host copy. Costs
+            a host-memory copy of this rank's state while the write is in flight.
+        config_hash: Stored in ``meta.json``; :meth:`load` warns when it differs.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep_last: int = 3,
+        keep_best: int = 0,
+        every_steps: int = 0,
+        every_s: float = 0.0,
+        async_save: bool = True,
+        config_hash: str = "",
+    ) -> None:
+        if keep_last < 0 or keep_best < 0 or every_steps < 0 or every_s < 0:
+            raise ValueError("keep_last, keep_best, every_steps and every_s must be >= 0")
+        self.directory = Path(directory)
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.every_steps, self.every_s = every_steps, every_s
+        self.async_save = async_save
+        self.config_hash = config_hash
+        self.rank = dist.get_rank() if _distributed() else 0
+        self.world_size = dist.get_world_size() if _distributed() else 1
+        # Background saves and main-thread control messages each get their own Gloo group: two
+        # threads must never issue collectives on one group (Gloo would pair them up wrongly).
+        self._save_group = side_group("checkpoint-save") if _distributed() else None
+        self._ctl_group = side_group("checkpoint-control") if _distributed() else None
+        self._pending: threading.Event | None = None
+        self._error: BaseException | None = None
+        self._last_save_time = time.monotonic()
+        self.num_saves = 0
+        self.total_stall_s = 0.0
+        self.last_stall_s = 0.0
+        self.last_committed_step: int | None = None
+        # Between saves the state-dict view of model/optimizer (references to their tensors) and
+        # the host buffers async saves stage into are reused: rebuilding both costs more than the
+        # copy itself for small models. A changed tensor set (see _fingerprint) rebuilds them.
+        self._cache: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._stager: _ReusedBuffersStager | None = None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(f"{_TMP_PREFIX}*"):
+                log.info("removing partial checkpoint %s (a save that never committed)", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        self._barrier()
+
+    # --- control -------------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self._ctl_group is not None:
+            dist.barrier(group=self._ctl_group)
+
+    def _broadcast_int(self, value: int) -> int:
+        if self._ctl_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(tensor, src=0, group=self._ctl_group)
+        return int(tensor.item())
+
+    def due(self, step: int) -> bool:
+        """Whether to save after ``step`` steps (same answer on every rank; collective if timed)."""
+        by_steps = bool(self.every_steps) and step % self.every_steps == 0
+        if not self.every_s:
+            return by_steps
+        by_time = time.monotonic() - self._last_save_time >= self.every_s
+        return bool(self._broadcast_int(int(by_steps or by_time)))
+
+    # --- saving --------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Mapping[str, Any] | None = None,
+        rank_state: Mapping[str, Any] | None = None,
+        metric: float | None = None,
+        blocking: bool | None = None,
+    ) -> float:
+        """Checkpoint ``step`` (collective); returns the seconds the caller was blocked.
+
+        Args:
+            step: Optimizer steps done; names the checkpoint.
+            model: The (possibly DDP/FSDP-wrapped) model.
+            optimizer: Its optimizer, or ``None``.
+            extra: JSON-serialisable run state (rank 0's is stored): data position, losses, ...
+            rank_state: JSON-serialisable per-rank state, returned by :meth:`load` on that rank.
+            metric: Lower is better; used by ``keep_best``.
+            blocking: Override ``async_save`` for this save (``True`` = synchronous).
+
+        Raises:
+            CheckpointError: a previous background save failed, or this one could not be written.
+        """
+        started = time.perf_counter()
+        self.wait()  # at most one save in flight; also surfaces a background failure
+        final = self.directory / step_dir_name(step)
+        tmp = self.directory / f"{_TMP_PREFIX}{final.name}"
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            rank_file = {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "rng": capture_rng(),
+                "state": dict(rank_state or {}),
+            }
+            (tmp / f"rank_{self.rank:05d}.json").write_text(json.dumps(rank_file))
+            if self.rank == 0:
+                meta = {
+                    "format": manifest.FORMAT_VERSION,
+                    "step": step,
+                    "world_size": self.world_size,
+                    "config_hash": self.config_hash,
+                    "metric": metric,
+                    "time": time.time(),
+                    "torch": torch.__version__,
+                    "extra": dict(extra or {}),
+                }
+                (tmp / manifest.META).write_text(json.dumps(meta, indent=1))
+            state = self._cached_state_dict(model, optimizer)
+            writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
+            is_async = self.async_save if blocking is None else not blocking
+            if is_async:
+                if self._stager is None:
+                    self._stager = _ReusedBuffersStager()
+                future = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    async_stager=self._stager,
+                    process_group=self._save_group,
+                    no_dist=self._save_group is None,
+                )
+                # The commit runs in DCP's writer thread once the write is done (no extra thread).
+                done = threading.Event()
+                self._pending = done
+                future.add_done_callback(
+                    lambda fut: self._finish_async(fut, tmp, final, step, metric, done)
+                )
+            else:
+                dcp.save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self._save_group,
+                    no_dist=self._save_group is None,
+                )
+                self._commit(tmp, final, step, metric)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - disk full, permissions, a dead peer, ...
+            raise CheckpointError(
+                f"could not write checkpoint {final}: {type(exc).__name__}: {exc}",
+                rank=self.rank,
+                operation="checkpoint.save",
+                fix="check free space and permissions of the checkpoint directory",
+            ) from exc
+        self._last_save_time = time.monotonic()
+        stall = time.perf_counter() - started
+        self.num_saves += 1
+        self.last_stall_s = stall
+        self.total_stall_s += stall
+        return stall
+
+    def _cached_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
+        key = _fingerprint(model, optimizer)
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._state_dict(model, optimizer))
+            self._stager = None  # staged buffers have the old structure
+        state = self._cache[1]
+        groups = state.get("optim", {}).get("param_groups")
+        if groups is not None and optimizer is not None:  # hyper-parameters change (lr schedule)
+            for cached, live in zip(groups, optimizer.param_groups, strict=True):
+                cached.update({k: v for k, v in live.items() if k != "params"})
+        return state
+
+    @staticmethod
+    def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        if _is_zero1(optimizer):
+            return {
+                "model": get_model_state_dict(model),
+                "optim": _zero1_optim_state(model, optimizer),
+            }
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _finish_async(
+        self,
+        future: Future[Any],
+        tmp: Path,
+        final: Path,
+        step: int,
+        metric: float | None,
+        done: threading.Event,
+    ) -> None:
+        try:
+            future.result()
+            self._commit(tmp, final, step, metric)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by wait()
+            self._error = exc
+        finally:
+            done.set()
+
+    def _commit(self, tmp: Path, final: Path, step: int, metric: float | None) -> None:
+        """Rank 0: manifest, marker, rename, prune. Runs after every rank finished writing."""
+        if self.rank == 0:
+            digest = manifest.write_manifest(tmp)
+            manifest.write_marker(tmp, step=step, manifest_sha256=digest)
+            if final.exists():
+                shutil.rmtree(final)  # an older save of the same step (after a restart)
+            tmp.rename(final)
+            self._prune()
+        self.last_committed_step = step
+
+    def _prune(self) -> None:
+        if not self.keep_last:
+            return
+        infos = [i for i in scan(self.directory, deep=False) if (i.path / manifest.MARKER).exists()]
+        metrics = {}
+        for info in infos:
+            try:
+                metrics[info.step] = json.loads((info.path / manifest.META).read_text())["metric"]
+            except (OSError, ValueError, KeyError):
+                metrics[info.step] = None
+        doomed = retention.to_delete(
+            metrics.items(), keep_last=self.keep_last, keep_best=self.keep_best
+        )
+        for info in infos:
+            if info.step in doomed:
+                shutil.rmtree(info.path, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is committed; re-raise its failure."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise CheckpointError(
+                f"background checkpoint save failed: {type(exc).__name__}: {exc}",
+                rank=self.rank,
+                operation="checkpoint.save",
+            ) from exc
+
+    def close(self) -> None:
+        """Finish the pending save; the manager can still load afterwards."""
+        self.wait()
+        self._cache, self._stager = None, None
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def _choose(self, path: str | Path | None) -> tuple[Path | None, list[str]]:
+        """Rank 0 verifies and picks; the choice is broadcast as a step number (-1: none)."""
+        skipped: list[str] = []
+        chosen = -1
+        error = ""
+        if self.rank == 0:
+            if path is not None:
+                verdict = manifest.verify(path)
+                if verdict.valid:
+                    chosen = int(verdict.meta["step"]) if verdict.meta else -1
+                else:
+                    error = verdict.describe()
+            else:
+                for info in scan(self.directory):
+                    if info.valid:
+                        chosen = info.step
+                        break
+                    line = f"{info.path}: INVALID ({info.file}): {info.reason}"
+                    skipped.append(line)
+                    warnings.warn(f"skipping checkpoint {line}", stacklevel=3)
+        chosen = self._broadcast_int(-2 if error else chosen)
+        if chosen == -2:
+            raise CheckpointError(
+                error or f"checkpoint {path} is invalid (see rank 0)",
+                rank=self.rank,
+                operation="checkpoint.load",
+                fix="run `torsh-dist checkpoint verify` on it, or resume from another checkpoint",
+            )
+        if chosen < 0:
+            return None, skipped
+        return (Path(path) if path is not None else self.directory / step_dir_name(chosen)), skipped
+
+    def load(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        path: str | Path | None = None,
+    ) -> LoadedCheckpoint | None:
+        """Restore the newest valid checkpoint (or ``path``) into ``model``/``optimizer``.
+
+        Collective. Model and optimizer may be wrapped and sharded differently from when they
+        were saved, and the world size may differ (DCP reshards); per-rank RNG states are then
+        left alone (``rng_restored=False``).
+
+        Returns:
+            What was loaded, or ``None`` when there is no valid checkpoint (``path`` not given).
+
+        Raises:
+            CheckpointError: ``path`` is invalid, or reading it failed.
+        """
+        self.wait()
+        self._cache, self._stager = None, None  # loading may replace optimizer state tensors
+        chosen, skipped = self._choose(path)
+        if chosen is None:
+            return None
+        try:
+            meta = json.loads((chosen / manifest.META).read_text())
+            state = self._state_dict(model, optimizer)
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(str(chosen)),
+                process_group=self._ctl_group,
+                no_dist=self._ctl_group is None,
+            )
+            if optimizer is None or _is_zero1(optimizer):
+                set_model_state_dict(model, state["model"])  # ZeRO-1 state was loaded in place
+            else:
+                set_state_dict(
+                    model,
+                    optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optim"],
+                )
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - report which checkpoint failed
+            raise CheckpointError(
+                f"could not load checkpoint {chosen}: {type(exc).__name__}: {exc}",
+                rank=self.rank,
+                operation="checkpoint.load",
+                fix="the model/optimizer must match the ones saved (same shapes and names)",
+            ) from exc
+        if self.config_hash and meta.get("config_hash") not in ("", self.config_hash):
+            warnings.warn(
+                f"checkpoint {chosen} was written by a run with a different configuration "
+                f"(hash {meta.get('config_hash')} vs {self.config_hash})",
+                stacklevel=2,
+            )
+        same_world = meta.get("world_size") == self.world_size
+        rank_state = None
+        if same_world:
+            rank_file = json.loads((chosen / f"rank_{self.rank:05d}.json").read_text())
+            restore_rng(rank_file["rng"])
+            rank_state = rank_file.get("state")
+        self._last_save_time = time.monotonic()
+        return LoadedCheckpoint(
+            path=chosen,
+            step=int(meta["step"]),
+            meta=meta,
+            rank_state=rank_state,
+            rng_restored=same_world,
+            skipped=skipped,
+        )

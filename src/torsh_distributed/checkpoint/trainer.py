@@ -1,0 +1,175 @@
+"""Checkpointing of the built-in trainer: the three calls the training loop makes.
+
+``TrainerCheckpoint(config, ...)`` before the loop, ``resume()`` for the step to start at,
+``step_end(step, losses)`` after every step, ``finish(step, losses)`` after the loop. What a
+checkpoint holds besides model and optimizer: the data position (the step; see
+:mod:`~torsh_distributed.checkpoint.resume`), the loss history (so a resumed run reports every
+step), and a hash of the settings that change the computation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from torsh_distributed.checkpoint import faults
+from torsh_distributed.checkpoint.manager import CheckpointManager
+from torsh_distributed.checkpoint.resume import check_data_position, data_position
+from torsh_distributed.runtime import world
+
+if TYPE_CHECKING:
+    from torsh_distributed.train.config import TrainConfig
+
+__all__ = ["TrainerCheckpoint", "config_hash"]
+
+# Settings that change what is computed; the rest (progress, logging, backend, ...) do not.
+_HASHED = ("model", "data", "optim", "max_steps", "batch_size", "seed")
+
+
+def config_hash(config: TrainConfig) -> str:
+    """Short SHA-256 of the settings that determine the computation."""
+    data = config.to_dict()
+    blob = json.dumps({k: data[k] for k in _HASHED if k in data}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class TrainerCheckpoint:
+    """Resume, periodic saves and the final save of :func:`torsh_distributed.train.train`.
+
+    Args:
+        config: The run's configuration (``config.checkpoint`` drives everything here).
+        model: The wrapped model the loop trains (DDP or sharded).
+        optimizer: Its optimizer.
+        num_train_tokens: Size of the training split (for the nominal epoch).
+        write: Prints a line on the main rank (the progress bar's ``write``).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        num_train_tokens: int,
+        write: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.section = config.checkpoint
+        self.model, self.optimizer = model, optimizer
+        self.num_train_tokens = num_train_tokens
+        self.write = write or (lambda text: print(text, flush=True))
+        self.rank = world.rank()
+        self.is_main = self.rank == 0
+        self.faults = faults.active()
+        self.resumed_step: int | None = None
+        self._first_step_logged = False
+        self._saved_step: int | None = None
+        resume = self.section.resume
+        directory = self.section.dir
+        if not directory and resume not in ("auto", "never"):
+            directory = str(Path(resume).parent)  # load only; nothing is saved without dir
+        self.manager: CheckpointManager | None = None
+        if directory:
+            self.manager = CheckpointManager(
+                directory,
+                keep_last=self.section.keep_last,
+                keep_best=self.section.keep_best,
+                every_steps=self.section.every,
+                every_s=self.section.every_s,
+                async_save=self.section.async_save,
+                config_hash=config_hash(config),
+            )
+        self.saving = bool(self.section.dir)
+
+    def resume(self) -> tuple[int, list[float]]:
+        """Load the checkpoint ``--resume`` names; return the step to start at and past losses."""
+        if self.manager is None or self.section.resume == "never":
+            return 0, []
+        path = None if self.section.resume == "auto" else self.section.resume
+        loaded = self.manager.load(model=self.model, optimizer=self.optimizer, path=path)
+        if loaded is None:
+            return 0, []
+        extra: dict[str, Any] = loaded.meta.get("extra", {})
+        step = check_data_position(
+            extra.get("data", {}), seed=self.config.seed, batch_size=self.config.batch_size
+        )
+        losses = [float(x) for x in extra.get("losses", [])][:step]
+        self.resumed_step = self._saved_step = step
+        if self.is_main:
+            for line in loaded.skipped:
+                self.write(f"checkpoint: skipped {line}")
+            saved_world = loaded.meta.get("world_size")
+            note = (
+                ""
+                if loaded.rng_restored
+                else (
+                    f"; saved at world size {saved_world}, resharded to {world.world_size()} "
+                    "(RNG states not restored)"
+                )
+            )
+            self.write(f"checkpoint: resumed from {loaded.path} at step {step}{note}")
+            faults.log_event("resumed", rank=self.rank, step=step, path=str(loaded.path))
+        return step, losses
+
+    def _save(self, step: int, losses: list[float], *, blocking: bool | None = None) -> None:
+        assert self.manager is not None
+        tail = losses[-min(10, len(losses)) :]
+        self.manager.save(
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            extra={
+                "data": data_position(
+                    step=step,
+                    seed=self.config.seed,
+                    batch_size=self.config.batch_size,
+                    num_train_tokens=self.num_train_tokens,
+                ),
+                "losses": losses,
+            },
+            metric=sum(tail) / len(tail) if tail else None,
+            blocking=blocking,
+        )
+        self._saved_step = step
+        faults.on_save_started(step, self.rank, self.faults)
+
+    def step_end(self, step: int, losses: list[float]) -> None:
+        """After ``step`` steps: save if due, then apply injected faults (tests only)."""
+        if self.resumed_step is not None and not self._first_step_logged and self.is_main:
+            faults.log_event("first_step", rank=self.rank, step=step)
+        self._first_step_logged = True
+        if self.saving and self.manager is not None and step < self.config.max_steps:
+            if self.manager.due(step):
+                self._save(step, losses)
+        if self.faults:
+            faults.on_step_end(step, self.rank, self.faults)
+
+    def finish(self, step: int, losses: list[float]) -> None:
+        """Save the final step (``save_final``) and wait until every save is committed."""
+        if self.manager is None:
+            return
+        if self.saving and self.section.save_final and self._saved_step != step:
+            self._save(step, losses)
+        self.manager.close()
+        if self.is_main and self.manager.num_saves:
+            self.write(
+                f"checkpoint: {self.manager.num_saves} save(s) to {self.section.dir}, training "
+                f"blocked {self.manager.total_stall_s:.3f} s in total "
+                f"({'async' if self.section.async_save else 'sync'})"
+            )
+
+    def summary(self) -> dict[str, Any]:
+        """Checkpoint figures for the run summary."""
+        if self.manager is None:
+            return {}
+        return {
+            "saves": self.manager.num_saves,
+            "stall_s": round(self.manager.total_stall_s, 4),
+            "resumed_step": self.resumed_step,
+        }

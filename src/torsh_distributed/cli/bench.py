@@ -1,0 +1,303 @@
+"""``torsh-dist bench collectives``: nccl-tests-style bandwidth table of raw torch vs our facade.
+
+Launches itself on ``--nproc`` local ranks through :func:`torsh_distributed.elastic.launch.launch`
+(like ``torsh-dist train``); each rank runs :func:`run_bench`. Per op, size and implementation the
+table shows size, element count, dtype, time (the slowest rank's median call), ``algbw = size / time`` and
+``busbw = algbw * factor`` with nccl-tests' factors (all-reduce ``2 (n - 1) / n``, all-gather,
+reduce-scatter and all-to-all ``(n - 1) / n``, broadcast and reduce ``1``). Implementations are run
+interleaved call by call, each timed from a barrier; the median call is kept, so every
+implementation sees the same machine noise and bursts do not count.
+
+Implementations: ``torch`` (raw ``torch.distributed``), ``torsh`` (the facade, backend's algorithm),
+``ring``, ``tree``, ``hierarchical`` (facade with that algorithm; only ops that have it) and
+``auto`` (facade, cost model after a link probe; the JSON names the algorithm it chose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "parse_size", "run_bench", "main", "OPS", "IMPLS"]
+
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
+IMPLS = ("torch", "torsh", "ring", "tree", "hierarchical", "auto")
+_ALGO_OPS = {
+    "ring": {"all_reduce"},
+    "tree": {"all_reduce", "broadcast", "reduce"},
+    "hierarchical": {"all_reduce"},
+    "auto": {"all_reduce", "broadcast", "reduce"},
+}
+_EPILOG = """\
+examples:
+  torsh-dist bench collectives --nproc 2 --ops all_reduce,all_gather --sizes 1M,16M --impl torch,torsh
+  torsh-dist bench collectives --nproc 4 --sizes 1K,1M --impl torch,ring,tree,auto --json bench.json
+"""
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"1K"`` -> 1024, ``"16M"`` -> 16 MiB, ``"100"`` -> 100 bytes."""
+    t = text.strip().upper()
+    num = t.rstrip("KMGB")
+    unit = t[len(num) :]
+    try:
+        value = int(float(num) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"size must look like 1K, 1M or 4096, got {text!r}") from None
+    if value < 4:
+        raise ValueError(f"size must be at least 4 bytes (one float32), got {text!r}")
+    return value
+
+
+def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise ValueError(f"{what} must be a comma list of {', '.join(allowed)}; got {text!r}")
+    return items
+
+
+def _bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", default="all_reduce", help=f"comma list of {', '.join(OPS)}")
+    parser.add_argument(
+        "--sizes", default="1K,1M,16M", help="comma list of buffer sizes (1K, 1M, ...)"
+    )
+    parser.add_argument("--impl", default="torch,torsh", help=f"comma list of {', '.join(IMPLS)}")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per impl per round")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="calls per impl = rounds x iters (interleaved, each after a barrier)",
+    )
+    parser.add_argument("--json", default="", help="write every row to this JSON file (rank 0)")
+
+
+def _op_call(op: str, impl: str, buf: Any, out: Any, n: int) -> Any:
+    import torch.distributed as dist
+
+    from torsh_distributed.comm import collectives as C
+
+    raw = impl == "torch"
+    algo = "torch" if impl in ("torch", "torsh") else impl
+    if op == "all_reduce":
+        return (
+            (lambda: dist.all_reduce(buf)) if raw else (lambda: C.all_reduce(buf, algorithm=algo))
+        )
+    if op == "broadcast":
+        return (
+            (lambda: dist.broadcast(buf, 0))
+            if raw
+            else (lambda: C.broadcast(buf, 0, algorithm=algo))
+        )
+    if op == "reduce":
+        return (lambda: dist.reduce(buf, 0)) if raw else (lambda: C.reduce(buf, 0, algorithm=algo))
+    if op == "all_gather":
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return (lambda: fn(out, buf)) if raw else (lambda: C.all_gather_into_tensor(out, buf))
+    if op == "reduce_scatter":
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return (lambda: fn(buf, out)) if raw else (lambda: C.reduce_scatter_tensor(buf, out))
+    return (
+        (lambda: dist.all_to_all_single(out, buf))
+        if raw
+        else (lambda: C.all_to_all_single(out, buf))
+    )
+
+
+def run_bench(
+    *, ops: list[str], sizes: list[int], impls: list[str], iters: int, warmup: int, rounds: int
+) -> list[dict[str, Any]]:
+    """Measure on this rank (collective: every rank calls it); returns the rows on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from torsh_distributed.comm import ParallelDims
+    from torsh_distributed.comm import collectives as C
+    from torsh_distributed.comm.profiler import busbw_factor
+
+    n, rows = dist.get_world_size(), []
+    dims = ParallelDims(dp=-1).build()
+    if "auto" in impls:
+        dims.probe()
+    for op in ops:
+        for size in sizes:
+            count = size // 4
+            # all_gather: size = total output (nccl-tests); reduce_scatter: size = total input
+            per = max(count // n, 1) if op in ("all_gather", "reduce_scatter") else count
+            if op == "all_to_all":
+                per = count // n * n or n
+            usable = [i for i in impls if i in ("torch", "torsh") or op in _ALGO_OPS[i]]
+            if "hierarchical" in usable and not dims.hierarchical:
+                usable.remove("hierarchical")
+                if dist.get_rank() == 0 and op == ops[0] and size == sizes[0]:
+                    print(
+                        "note: impl 'hierarchical' skipped: one node (or uneven nodes); declare "
+                        "simulated hosts with TORSH_NODE_ASSIGNMENT=0,0,1,1",
+                        flush=True,
+                    )
+            calls = {}
+            for impl in usable:
+                buf = torch.ones(per)
+                out = torch.ones(per * n if op in ("all_gather", "reduce_scatter") else per)
+                calls[impl] = _op_call(op, impl, buf, out, n)
+                for _ in range(warmup):
+                    calls[impl]()
+            chosen = (
+                {"auto": C.resolve_algorithm("auto", op, per * 4, None)} if "auto" in calls else {}
+            )
+            # Interleaved call by call, each call timed from a common start (barrier first, not
+            # timed): machine noise hits every impl alike, no impl inherits the previous call's
+            # rank skew, and the median ignores bursts.
+            durations: dict[str, list[float]] = {i: [] for i in usable}
+            for _ in range(rounds * iters):
+                for impl in usable:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    calls[impl]()
+                    durations[impl].append(time.perf_counter() - t0)
+            medians = torch.tensor(
+                [statistics.median(durations[i]) for i in usable], dtype=torch.float64
+            )
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+            best = dict(zip(usable, medians.tolist(), strict=True))
+            for impl in usable:
+                nbytes = (per * n if op in ("all_gather", "reduce_scatter") else per) * 4
+                t = best[impl]
+                algbw = nbytes / t
+                rows.append(
+                    {
+                        "op": op,
+                        "impl": impl,
+                        "algorithm": chosen.get(impl, impl),
+                        "size": nbytes,
+                        "count": nbytes // 4,
+                        "dtype": "float32",
+                        "ranks": n,
+                        "nodes": dims.num_nodes,
+                        "time_us": t * 1e6,
+                        "algbw_GBps": algbw / 1e9,
+                        "busbw_GBps": algbw * busbw_factor(op, n) / 1e9,
+                    }
+                )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of ``rows`` with the busbw ratio to ``torch`` of the same op and size."""
+    ref = {(r["op"], r["size"]): r["busbw_GBps"] for r in rows if r["impl"] == "torch"}
+    lines = [
+        "| op | impl | algorithm | size (B) | count | dtype | time (us) | algbw (GB/s) | busbw (GB/s) | vs torch |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = ref.get((r["op"], r["size"]))
+        ratio = f"{r['busbw_GBps'] / base:.3f}" if base else "-"
+        lines.append(
+            f"| {r['op']} | {r['impl']} | {r['algorithm']} | {r['size']} | {r['count']} | {r['dtype']} | "
+            f"{r['time_us']:.1f} | {r['algbw_GBps']:.4f} | {r['busbw_GBps']:.4f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """What each launched rank runs: ``python -m torsh_distributed.cli.bench ...``."""
+    parser = argparse.ArgumentParser(prog="python -m torsh_distributed.cli.bench")
+    _bench_args(parser)
+    args = parser.parse_args(argv)
+    import torsh_distributed as tdist
+
+    with tdist.init(backend="gloo") as rt:
+        rows = run_bench(
+            ops=_csv(args.ops, OPS, "--ops"),
+            sizes=[parse_size(s) for s in args.sizes.split(",")],
+            impls=_csv(args.impl, IMPLS, "--impl"),
+            iters=args.iters,
+            warmup=args.warmup,
+            rounds=args.rounds,
+        )
+        if rt.is_main:
+            print(format_table(rows), flush=True)
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+        import torch.distributed as dist
+
+        dist.barrier()  # leave together: a rank tearing Gloo down early can abort a slower one
+    return 0
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from torsh_distributed.elastic.launch import LaunchOptions, launch
+
+    _csv(args.ops, OPS, "--ops")
+    _csv(args.impl, IMPLS, "--impl")
+    for s in args.sizes.split(","):
+        parse_size(s)
+    if args.nproc < 2:
+        raise ValueError(f"--nproc must be >= 2 for collectives, got {args.nproc}")
+    forward = [
+        "--ops",
+        args.ops,
+        "--sizes",
+        args.sizes,
+        "--impl",
+        args.impl,
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--rounds",
+        str(args.rounds),
+    ]
+    if args.json:
+        forward += ["--json", str(Path(args.json).resolve())]
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return launch(
+        LaunchOptions(nproc_per_node=args.nproc, env=env, local_ranks_filter=frozenset({0})),
+        module="torsh_distributed.cli.bench",
+        args=forward,
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench`` (with the ``collectives`` benchmark)."""
+    parser = sub.add_parser("bench", help="benchmarks (collectives: nccl-tests-style busbw table)")
+    kinds = parser.add_subparsers(dest="bench", metavar="BENCH")
+    kinds.required = True
+    coll = kinds.add_parser(
+        "collectives",
+        help="bandwidth of collectives: raw torch vs the facade and its algorithms",
+        description=__doc__,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    coll.add_argument("--nproc", type=int, default=2, help="local ranks to launch")
+    _bench_args(coll)
+    coll.set_defaults(handler=_handle)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return worker_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""``ParallelDims``: validated parallel degrees, and the single owner of meshes and process groups.
+
+Nothing else in the package calls ``new_group``: named mesh axes (``dp``, ``tp``, ``pp``, ``ep``)
+come from torch's ``DeviceMesh``; hierarchical groups (this rank's node, and the ranks with this
+rank's local index on every node) and ad-hoc sub-groups come from :meth:`ParallelDims.subgroup`;
+world-wide side groups (a Gloo group for a background thread) from :func:`side_group`.
+
+Nodes are found from host names (``socket.gethostname()`` gathered from every rank) or declared
+with ``node_assignment=[0, 0, 1, 1]`` (or ``TORSH_NODE_ASSIGNMENT=0,0,1,1``) so that simulated
+hosts, such as network namespaces, count as nodes::
+
+    dims = ParallelDims(dp=-1, tp=2).build()
+    dims.group("tp"), dims.intra_group, dims.inter_group, dims.num_nodes
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torsh_distributed.comm.cost_model import CostModel, probe_link
+
+__all__ = ["AXES", "ParallelDims", "current_dims", "group_name", "side_group"]
+
+AXES = ("pp", "dp", "ep", "tp")
+"""Mesh axes, outermost first: ``tp`` is innermost so its ranks are neighbours (same node)."""
+
+_CURRENT: ParallelDims | None = None
+_NAMES: dict[int, str] = {}
+
+
+def current_dims() -> ParallelDims | None:
+    """The last :class:`ParallelDims` built in this process (used by ``algorithm="hierarchical"``)."""
+    return _CURRENT
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """A readable name for ``group``: its mesh axis or role, else ``world`` or its ranks."""
+    if group is None or group == dist.group.WORLD:
+        return "world"
+    name = _NAMES.get(id(group))
+    if name is None:
+        name = "ranks" + ",".join(map(str, dist.get_process_group_ranks(group)))
+        _NAMES[id(group)] = name
+    return name
+
+
+def side_group(name: str, *, backend: str = "gloo") -> dist.ProcessGroup:
+    """A new world-wide group of its own, for work that must not share the default group.
+
+    For example a background thread's collectives (async checkpoint saves), or CPU-side control
+    messages in an NCCL job. Every rank must call it, in the same order. Lives here so that all
+    group creation stays in this module.
+    """
+    group = dist.new_group(backend=backend)
+    _NAMES[id(group)] = name
+    return group
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelDims:
+    """Degrees of data (``dp``), tensor (``tp``), pipeline (``pp``) and expert (``ep``) parallelism.
+
+    Exactly their product must equal the world size; one degree may be ``-1`` ("the rest").
+    Construct anywhere (validation needs no process group when ``world_size`` is given); call
+    :meth:`build` on every rank to create the groups.
+    """
+
+    dp: int = -1
+    """Data-parallel degree (replicas)."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost axis)."""
+    pp: int = 1
+    """Pipeline stages (outermost axis)."""
+    ep: int = 1
+    """Expert-parallel degree."""
+    world_size: int = 0
+    """Ranks in the job; 0 = the running process group's size."""
+    node_assignment: Sequence[int] | None = None
+    """Node id of every global rank (``[0, 0, 1, 1]``); ``None`` = ``TORSH_NODE_ASSIGNMENT`` or host names."""
+    device_type: str = "cpu"
+    """Device type of the mesh (``cpu`` for Gloo, ``cuda`` for NCCL)."""
+    cost_model: CostModel = field(default_factory=CostModel)
+    """Alpha-beta model used by ``algorithm="auto"`` (defaults until :meth:`probe`)."""
+    mesh: DeviceMesh | None = field(default=None, init=False)
+    _nodes: tuple[int, ...] = field(default=(), init=False)
+    _intra: dist.ProcessGroup | None = field(default=None, init=False)
+    _inter: dist.ProcessGroup | None = field(default=None, init=False)
+    _subgroups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.world_size:
+            if not dist.is_initialized():
+                raise ValueError("world_size must be given when no process group is running")
+            self.world_size = dist.get_world_size()
+        for name in AXES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+                raise ValueError(f"{name} must be a positive int or -1 (the rest), got {value!r}")
+        free = [n for n in AXES if getattr(self, n) == -1]
+        if len(free) > 1:
+            raise ValueError(f"only one degree may be -1, got {', '.join(free)}")
+        fixed = math.prod(getattr(self, n) for n in AXES if getattr(self, n) != -1)
+        if free:
+            if self.world_size % fixed:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by the fixed degrees "
+                    f"({self._describe()} = {fixed}); {free[0]} cannot fill the rest"
+                )
+            setattr(self, free[0], self.world_size // fixed)
+        elif fixed != self.world_size:
+            raise ValueError(
+                f"dp * tp * pp * ep = {self._describe()} = {fixed} != world size {self.world_size}; "
+                "use -1 for one degree to take the rest"
+            )
+        if self.node_assignment is not None:
+            self.node_assignment = self._check_nodes(self.node_assignment)
+
+    def _describe(self) -> str:
+        return " * ".join(f"{n}={getattr(self, n)}" for n in AXES)
+
+    def _check_nodes(self, nodes: Sequence[int]) -> tuple[int, ...]:
+        nodes = tuple(int(n) for n in nodes)
+        if len(nodes) != self.world_size:
+            raise ValueError(
+                f"node_assignment must give one node id per rank ({self.world_size}), got {len(nodes)}"
+            )
+        renumber: dict[int, int] = {}
+        return tuple(renumber.setdefault(n, len(renumber)) for n in nodes)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {n: getattr(self, n) for n in AXES}
+
+    # -- building (collective) -------------------------------------------------------------
+    def build(self) -> ParallelDims:
+        """Create the mesh and hierarchical groups; every rank must call it. Returns ``self``."""
+        global _CURRENT
+        if not dist.is_initialized():
+            raise ValueError("ParallelDims.build() needs a running process group (call init())")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"world_size {self.world_size} does not match the process group's {dist.get_world_size()}"
+            )
+        self.mesh = init_device_mesh(
+            self.device_type, tuple(self.degrees.values()), mesh_dim_names=AXES
+        )
+        for axis in AXES:
+            _NAMES[id(self.mesh.get_group(axis))] = axis
+        self._nodes = self._discover_nodes()
+        self._build_hierarchy()
+        _CURRENT = self
+        return self
+
+    def _discover_nodes(self) -> tuple[int, ...]:
+        if self.node_assignment is not None:
+            return tuple(self.node_assignment)
+        env = os.environ.get("TORSH_NODE_ASSIGNMENT")
+        if env:
+            try:
+                return self._check_nodes([int(x) for x in env.split(",")])
+            except ValueError as exc:
+                raise ValueError(f"TORSH_NODE_ASSIGNMENT={env!r}: {exc}") from None
+        names: list[str] = [""] * self.world_size
+        dist.all_gather_object(names, socket.gethostname())
+        ids: dict[str, int] = {}
+        return tuple(ids.setdefault(n, len(ids)) for n in names)
+
+    def _build_hierarchy(self) -> None:
+        rank = dist.get_rank()
+        by_node: dict[int, list[int]] = {}
+        for r, node in enumerate(self._nodes):
+            by_node.setdefault(node, []).append(r)
+        if len(by_node) == 1 or all(len(v) == 1 for v in by_node.values()):
+            return
+        for node, ranks in sorted(by_node.items()):
+            group = self.subgroup(ranks, name=f"node{node}")
+            if rank in ranks:
+                self._intra = group
+        if len({len(v) for v in by_node.values()}) != 1:
+            return  # uneven nodes: no inter groups, so no hierarchical algorithm
+        per_node = len(next(iter(by_node.values())))
+        for i in range(per_node):
+            ranks = [members[i] for _, members in sorted(by_node.items())]
+            group = self.subgroup(ranks, name=f"inter{i}")
+            if rank in ranks:
+                self._inter = group
+
+    def subgroup(self, ranks: Sequence[int], *, name: str | None = None) -> dist.ProcessGroup:
+        """The process group of ``ranks`` (created once, cached); every rank must call it."""
+        key = tuple(sorted(int(r) for r in ranks))
+        if not key or key[0] < 0 or key[-1] >= self.world_size or len(set(key)) != len(key):
+            raise ValueError(
+                f"ranks must be distinct ranks in [0, {self.world_size}), got {list(ranks)}"
+            )
+        group = self._subgroups.get(key)
+        if group is None:
+            group = dist.new_group(list(key))
+            self._subgroups[key] = group
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                _NAMES[id(group)] = name or "ranks" + ",".join(map(str, key))
+        return group
+
+    # -- queries -----------------------------------------------------------------------------
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of mesh axis ``axis`` that holds this rank."""
+        if axis not in AXES:
+            raise ValueError(f"axis must be one of {', '.join(AXES)}, got {axis!r}")
+        if self.mesh is None:
+            raise ValueError("call build() before asking for groups")
+        return self.mesh.get_group(axis)
+
+    @property
+    def node_of_rank(self) -> tuple[int, ...]:
+        """Node id of every global rank (after :meth:`build`)."""
+        return self._nodes
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self._nodes)) if self._nodes else 1
+
+    @property
+    def intra_group(self) -> dist.ProcessGroup | None:
+        """This rank's node; ``None`` with one node or one rank per node."""
+        return self._intra
+
+    @property
+    def inter_group(self) -> dist.ProcessGroup | None:
+        """Ranks with this rank's local index on every node; ``None`` if not hierarchical."""
+        return self._inter
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the hierarchical all-reduce can run (several nodes, same ranks per node, > 1)."""
+        return self._intra is not None and self._inter is not None
+
+    def probe(self) -> CostModel:
+        """Measure alpha/beta of the intra- and inter-node links (collective); updates :attr:`cost_model`."""
+        nodes = self._nodes or (0,) * self.world_size
+        first = {n: [r for r, x in enumerate(nodes) if x == n] for n in sorted(set(nodes))}
+        a = 0
+        same = [r for r in first[nodes[0]] if r != a]
+        other = [ranks[0] for n, ranks in first.items() if n != nodes[0]]
+        intra = probe_link(a, same[0]) if same else None
+        inter = probe_link(a, other[0]) if other else None
+        if intra is not None:
+            self.cost_model.intra = intra
+        if inter is not None:
+            self.cost_model.inter = inter
+        return self.cost_model

@@ -1,0 +1,54 @@
+"""Gradient compression for data parallelism: one :class:`Compressor` interface, the methods,
+error feedback, the adaptive mode and the DDP hook adapters. See docs/compression.md."""
+
+from torsh_distributed.compression.adaptive import Adaptive
+from torsh_distributed.compression.base import (
+    Comm,
+    Compressor,
+    ErrorFeedback,
+    Identity,
+    Timer,
+    payload_bytes,
+)
+from torsh_distributed.compression.config import CompressionConfig
+from torsh_distributed.compression.ef21 import EF21
+from torsh_distributed.compression.hooks import (
+    CompressionHook,
+    StepStats,
+    compression_hook,
+    find_compression,
+    register_compression,
+)
+from torsh_distributed.compression.powersgd import PowerSGD
+from torsh_distributed.compression.quantize import Cast, Int8
+from torsh_distributed.compression.sign import SignSGD, Ternary
+from torsh_distributed.compression.sparsify import RandomK, Threshold, TopK
+from torsh_distributed.compression.spec import Spec, build_compressor, parse_spec
+
+__all__ = [
+    "EF21",
+    "Adaptive",
+    "Cast",
+    "Comm",
+    "CompressionConfig",
+    "CompressionHook",
+    "Compressor",
+    "ErrorFeedback",
+    "Identity",
+    "Int8",
+    "PowerSGD",
+    "RandomK",
+    "SignSGD",
+    "Spec",
+    "StepStats",
+    "Ternary",
+    "Threshold",
+    "Timer",
+    "TopK",
+    "build_compressor",
+    "compression_hook",
+    "find_compression",
+    "parse_spec",
+    "payload_bytes",
+    "register_compression",
+]

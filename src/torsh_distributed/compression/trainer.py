@@ -1,0 +1,142 @@
+"""Compression in the built-in trainer: two calls around the model's wrapping, one for the summary.
+
+``TrainerCompression(config)`` validates the combination (DDP only, one comm hook) and makes the
+DDP options of the ``compression`` section the defaults of :func:`apply_ddp` until
+``attach(model, base)``, which registers the compression hook on the DDP model. ``summary()``
+is the ``"compression"`` entry of the run summary; ``stateful`` is the object whose
+``state_dict()`` a checkpoint must save (residuals, PowerSGD factors, auto's decisions).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextvars import Token
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from torsh_distributed.compression.hooks import CompressionHook, register_compression
+from torsh_distributed.compression.spec import build_compressor, parse_spec
+from torsh_distributed.parallel import data as ddp
+
+if TYPE_CHECKING:
+    from torsh_distributed.train.config import TrainConfig
+
+__all__ = ["TrainerCompression", "check_compatible"]
+
+
+def check_compatible(config: TrainConfig) -> None:
+    """Reject combinations compression cannot honour.
+
+    Raises:
+        ValueError: compression with a ZeRO stage other than 0 (FSDP/ZeRO reduce-scatter
+            gradients; compression hooks DDP's all-reduce), or together with
+            ``--comm.algorithm`` (DDP takes one communication hook).
+    """
+    section = config.compression
+    if not section.enabled:
+        return
+    stage = getattr(getattr(config, "parallel", None), "zero_stage", 0)
+    if stage != 0:
+        raise ValueError(
+            f"--compression {section.method} applies to DDP (parallel.zero_stage 0) only; "
+            f"got --zero-stage {stage}. Use --compression none with ZeRO/FSDP"
+        )
+    algorithm = getattr(getattr(config, "comm", None), "algorithm", "")
+    if algorithm:
+        raise ValueError(
+            f"--compression {section.method} and --comm.algorithm {algorithm} both need DDP's "
+            f"single communication hook; use one of them"
+        )
+
+
+class TrainerCompression:
+    """See the module docstring.
+
+    Args:
+        config: The run's configuration (``config.compression`` drives everything here).
+    """
+
+    def __init__(self, config: TrainConfig) -> None:
+        check_compatible(config)
+        self.config = config
+        self.section = config.compression
+        self.hook: CompressionHook | None = None
+        self._dense_bytes = 0
+        self._dense_steps = 0
+        s = self.section
+        options = ddp.DDPOptions(
+            bucket_cap_mb=s.bucket_cap_mb,
+            first_bucket_mb=s.first_bucket_mb,
+            static_graph=s.static_graph,
+            gradient_as_bucket_view=s.gradient_as_bucket_view,
+            find_unused_parameters=s.find_unused_parameters,
+            init_sync=s.init_sync,
+        )
+        if options != ddp.DDPOptions() and getattr(getattr(config, "parallel", None), "zero_stage", 0) >= 2:
+            warnings.warn(
+                "compression.* DDP options are ignored with zero_stage >= 2 (FSDP has no DDP wrapper)",
+                stacklevel=2,
+            )
+        self._token: Token[ddp.DDPOptions] | None = ddp._OPTIONS.set(options)
+
+    def attach(self, model: nn.Module, base: nn.Module) -> None:
+        """Register the compression hook on ``model`` (the DDP wrapper of ``base``)."""
+        if self._token is not None:
+            ddp._OPTIONS.reset(self._token)
+            self._token = None
+        if not self.section.enabled:
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                self._count_dense_steps(model, base)
+            return
+        if not isinstance(model, nn.parallel.DistributedDataParallel):
+            warnings.warn(
+                f"--compression {self.section.method} is ignored: the model is not wrapped in DDP "
+                "(a single rank has no gradients to exchange)",
+                stacklevel=2,
+            )
+            return
+        compressor = build_compressor(
+            self.section.method,
+            error_feedback=self.section.ef,
+            stochastic_rounding=self.section.stochastic_rounding,
+            seed=self.config.seed,
+        )
+        self.hook = register_compression(model, compressor)
+        observe = getattr(compressor, "observe_loss", None)
+        if observe is not None:
+            def _loss_observer(module: nn.Module, args: Any, output: Any) -> None:
+                if module.training and isinstance(output, tuple) and isinstance(output[-1], torch.Tensor):
+                    observe(float(output[-1].detach()))
+
+            base.register_forward_hook(_loss_observer)
+
+    def _count_dense_steps(self, model: nn.Module, base: nn.Module) -> None:
+        """``none`` installs no hook (DDP's own all-reduce); count training forwards instead."""
+        world = model.process_group.size()
+        numel = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+        self._dense_bytes = int(2 * (world - 1) / world * numel)
+
+        def _count(module: nn.Module, args: Any, output: Any) -> None:
+            if module.training and torch.is_grad_enabled():
+                self._dense_steps += 1
+
+        base.register_forward_hook(_count)
+
+    @property
+    def stateful(self) -> CompressionHook | None:
+        """The ``Stateful`` to checkpoint (``None`` when nothing is compressed)."""
+        return self.hook
+
+    def summary(self) -> dict[str, Any]:
+        """``{"method", "bytes_uncompressed", "bytes_sent", "ratio", "seconds", ...}`` of this rank."""
+        if self.hook is None:  # none: DDP's fp32 all-reduce, bytes from the parameter count
+            dense = self._dense_bytes * self._dense_steps
+            return {"method": str(parse_spec(self.section.method)), "bytes_uncompressed": dense,
+                    "bytes_sent": dense, "ratio": 1.0, "seconds": 0.0, "steps": self._dense_steps}
+        out = self.hook.summary()
+        decisions = getattr(self.hook.compressor, "decisions", None)
+        if decisions:
+            out["decisions"] = list(decisions)
+        return out

@@ -1,0 +1,72 @@
+"""The trainer's ``monitor`` section: metrics, Prometheus, dashboard, alerts, bottleneck report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["MonitorConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    """Observability of a training run; everything is off by default (no cost, no output).
+
+    Any of ``metrics_port``, ``dashboard_port``, ``alerts`` or ``report_json`` turns monitoring on;
+    ``--monitor`` turns it on with only the progress-bar fields and the end-of-run report.
+    """
+
+    enabled: bool = field(default=False, metadata={"flags": ["--monitor"], "negatable": True})
+    """Collect per-rank step metrics, aggregate them across ranks and print the bottleneck report."""
+    every: int = field(default=10, metadata={"flags": ["--monitor-every"]})
+    """Aggregate across ranks every N steps (one all_gather of a small tensor); lower = fresher, costlier."""
+    metrics_port: int = field(default=0, metadata={"flags": ["--metrics-port"]})
+    """Serve Prometheus metrics (all ranks, labelled by job and rank) from rank 0 on this port; 0 = off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus exporter binds; 0.0.0.0 exposes it to the network (no authentication)."""
+    dashboard_port: int = field(default=0, metadata={"flags": ["--dashboard-port"]})
+    """Serve the live dashboard from rank 0 on this port; 0 = off."""
+    dashboard_host: str = "127.0.0.1"
+    """Address the dashboard binds; keep loopback unless the network is trusted (no authentication)."""
+    alerts: str = field(default="", metadata={"flags": ["--alerts"]})
+    """JSON file of alert rules and notifiers (see docs/observability.md); empty = built-in anomaly rules."""
+    report_json: str = field(default="", metadata={"flags": ["--report-json"]})
+    """Write the bottleneck/anomaly report as JSON to this file (rank 0); empty = print only."""
+    trace: str = field(default="", metadata={"flags": ["--monitor-trace"]})
+    """Write one merged, time-aligned Chrome trace of every rank's step phases (plus profiled
+    collectives) here at the end (rank 0); empty = no trace. Keeps ~6 tuples per step in memory."""
+    job: str = field(default="torsh", metadata={"flags": ["--metrics-job"]})
+    """Value of the ``job`` label on every exported metric."""
+    anomaly_window: int = 50
+    """Aggregations kept per metric for the z-score anomaly detector."""
+    anomaly_z: float = 4.0
+    """|z-score| at or above which an aggregated value counts as an anomaly."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"monitor.every must be >= 1, got {self.every}")
+        for name in ("metrics_port", "dashboard_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"monitor.{name} must be 0 (off) or a port in 1..65535, got {port}")
+        if self.metrics_port and self.metrics_port == self.dashboard_port:
+            raise ValueError(
+                f"monitor.metrics_port and monitor.dashboard_port must differ, both are {self.metrics_port}"
+            )
+        if self.anomaly_window < 3:
+            raise ValueError(f"monitor.anomaly_window must be >= 3, got {self.anomaly_window}")
+        if self.anomaly_z <= 0:
+            raise ValueError(f"monitor.anomaly_z must be > 0, got {self.anomaly_z}")
+        if not self.job:
+            raise ValueError("monitor.job must be a non-empty label value")
+
+    @property
+    def active(self) -> bool:
+        """True when any monitoring feature is requested."""
+        return bool(
+            self.enabled
+            or self.metrics_port
+            or self.dashboard_port
+            or self.alerts
+            or self.report_json
+            or self.trace
+        )

@@ -1,0 +1,250 @@
+"""The trainer's loop for tensor and pipeline parallelism (issue 7), dp x tp x pp.
+
+Order of application (per rank): build the whole model from the seed (identical everywhere)
+-> **pipeline split** (keep this rank's stages) -> **tensor parallelism** of each stage (or of the
+whole model) -> data parallelism over the ``dp`` axis as one averaged gradient all-reduce after
+backward (ZeRO/FSDP over ``dp`` is not combined yet). Gradient clipping sums squares over the
+``tp`` shards and the ``pp`` stages. The step differs from the data-parallel loop in that a
+pipeline runs the forward and backward of all micro-batches in ``schedule.step``.
+
+Features of the data-parallel loop that this loop does not drive (compression, comm hooks,
+monitoring, checkpoints, memory report) are warned about when they are set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torsh_distributed.comm.dims import ParallelDims
+from torsh_distributed.parallel.pipeline import build_pipeline, check_pipeline
+from torsh_distributed.parallel.sharded import apply_fsdp
+from torsh_distributed.parallel.tensor import apply_tp, check_tp, clip_grad_norm_, sync_grads
+
+if TYPE_CHECKING:
+    from torsh_distributed.runtime import world
+    from torsh_distributed.train.config import TrainConfig
+    from torsh_distributed.train.data import Corpus
+    from torsh_distributed.train.loop import TrainResult
+
+__all__ = ["check_model_parallel", "train_model_parallel"]
+
+
+def check_model_parallel(config: TrainConfig, world_size: int) -> ParallelDims:
+    """Validate degrees, shapes and micro-batching for ``world_size`` ranks; no collectives.
+
+    Every rank evaluates this on the same config, so an invalid set-up raises the same
+    ``ValueError`` everywhere before any rank waits on another.
+
+    Returns:
+        Unbuilt :class:`ParallelDims` with the resolved degrees.
+    """
+    par, model = config.parallel, config.model
+    try:
+        dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, world_size=world_size)
+    except ValueError as exc:
+        raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
+    check_tp(tp=dims.tp, n_head=model.n_head, d_model=model.d_model, vocab_size=model.vocab_size)
+    per_dp = config.check_world(dims.dp)
+    if par.zero_stage and dims.dp < 2:
+        raise ValueError(
+            f"parallel.zero_stage {par.zero_stage} shards over the dp axis, but dp = {dims.dp}; "
+            f"use zero_stage 0 or a world of dp * tp * pp with dp >= 2"
+        )
+    if dims.pp > 1:
+        check_pipeline(
+            pp=dims.pp,
+            schedule=par.pp_schedule,
+            microbatches=par.num_microbatches,
+            virtual_stages=par.virtual_stages,
+            n_layer=model.n_layer,
+            batch_size=per_dp,
+        )
+    elif par.virtual_stages != 1:
+        raise ValueError(f"parallel.virtual_stages={par.virtual_stages} needs parallel.pp > 1")
+    return dims
+
+
+def _warn_ignored(config: TrainConfig) -> None:
+    from torsh_distributed.train.config import TrainConfig as Fresh
+
+    default = Fresh()
+    for section in ("compression", "comm", "monitor", "checkpoint"):
+        if getattr(config, section) != getattr(default, section):
+            warnings.warn(
+                f"the {section} section is ignored with parallel.tp/pp > 1 (model-parallel loop)",
+                stacklevel=3,
+            )
+
+
+def train_model_parallel(
+    config: TrainConfig, runtime: world.Runtime, corpus: Corpus, started: float
+) -> TrainResult:
+    """Train with ``dp x tp x pp`` parallelism; the same :class:`TrainResult` as the DDP loop."""
+    from torsh_distributed.train.data import sample_batch
+    from torsh_distributed.train.loop import TrainResult, _optimizer, lr_at
+    from torsh_distributed.train.model import GPT
+    from torsh_distributed.train.progress import Progress, format_summary
+
+    dims = check_model_parallel(config, runtime.world_size)
+    _warn_ignored(config)
+    par, device = config.parallel, runtime.device
+    dims.device_type = device.type
+    dims.build()
+    dp_rank = dims.mesh["dp"].get_local_rank()
+    pp_rank = dims.mesh["pp"].get_local_rank()
+    dp_group, pp_group = dims.group("dp"), dims.group("pp")
+    tp_mesh, dp_mesh = dims.mesh["tp"], dims.mesh["dp"]
+    fsdp = par.zero_stage >= 2
+
+    def shard(module: nn.Module, *, loss_parallel: bool = False) -> nn.Module:
+        # order: TP first (FSDP2 then shards the TP DTensors over dp: a 2-D dp x tp layout)
+        apply_tp(module, tp_mesh, loss_parallel=loss_parallel)
+        if fsdp:
+            apply_fsdp(
+                module,
+                dp_mesh,
+                stage=par.zero_stage,
+                units=list(module.blocks),
+                param_dtype=par.param_dtype,
+                reduce_dtype=par.reduce_dtype,
+                offload=par.offload,
+            )
+        return module
+
+    torch.manual_seed(config.seed)  # identical initial weights on every rank
+    model = GPT(config.model).to(device)
+    total_params = model.num_params()
+    use_loss_parallel = dims.pp == 1 and dims.tp > 1
+    pipe = None
+    if dims.pp > 1:
+        pipe = build_pipeline(
+            model,
+            pp_rank=pp_rank,
+            pp=dims.pp,
+            group=pp_group,
+            device=device,
+            schedule=par.pp_schedule,
+            microbatches=par.num_microbatches,
+            virtual_stages=par.virtual_stages,
+            transform=shard,
+        )
+        params: list[nn.Parameter] = pipe.parameters()
+        holder: nn.Module = nn.ModuleList(pipe.modules)
+    else:
+        shard(model, loss_parallel=use_loss_parallel)
+        params, holder = list(model.parameters()), model
+    del model
+    optimizer = _optimizer(holder, config.optim)
+    if dims.tp > 1 and not fsdp:  # foreach kernels reject lists mixing DTensor and plain tensors
+        for group in optimizer.param_groups:
+            group["foreach"] = False
+
+    def loss_context() -> contextlib.AbstractContextManager:
+        if not use_loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def global_mean(loss: torch.Tensor | None) -> float:
+        # every tp rank of the last stage holds the same loss; the dp ranks hold different ones
+        value = torch.zeros((), device=device) if loss is None else loss.detach().clone()
+        if runtime.world_size > 1:
+            dist.all_reduce(value)
+        return float(value) / (dims.dp * dims.tp)
+
+    def run(x: torch.Tensor, y: torch.Tensor, *, train: bool) -> float:
+        x, y = x.to(device), y.to(device)
+        if pipe is not None:
+            return global_mean(pipe.step(x, y) if train else pipe.evaluate(x, y))
+        with loss_context():
+            _, loss = holder(x, y)
+            if train:
+                loss.backward()
+        return global_mean(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+    per_dp = config.batch_size // dims.dp
+    tokens_per_step = config.batch_size * config.model.block_size
+    if runtime.is_main:
+        print(
+            f"torsh-dist train: {total_params / 1e6:.2f}M params, world size {runtime.world_size} "
+            f"= dp {dims.dp} x tp {dims.tp} x pp {dims.pp}"
+            + (f" ({par.pp_schedule}, {par.num_microbatches} micro-batches)" if dims.pp > 1 else "")
+            + f", global batch {config.batch_size} ({per_dp}/dp rank) x {config.model.block_size} tokens",
+            flush=True,
+        )
+    progress = Progress(
+        total=config.max_steps, enabled=runtime.is_main and config.progress, desc="train"
+    )
+    losses: list[float] = []
+    loop_time = 0.0
+    batch = dict(
+        batch_size=config.batch_size,
+        block_size=config.model.block_size,
+        rank=dp_rank,
+        num_ranks=dims.dp,
+    )
+    for step in range(config.max_steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, optim=config.optim, max_steps=config.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = sample_batch(corpus.train, seed=config.seed, step=step, **batch)
+        optimizer.zero_grad(set_to_none=True)
+        global_loss = run(x, y, train=True)
+        if not fsdp:  # FSDP2 reduce-scatters (averages) the gradients over dp itself
+            sync_grads(params, dp_group, dims.dp)
+        if config.optim.grad_clip:
+            clip_grad_norm_(params, config.optim.grad_clip, pp_group=pp_group)
+        optimizer.step()
+        if not math.isfinite(global_loss):
+            raise FloatingPointError(
+                f"loss became {global_loss} at step {step + 1}; lower --lr (now {config.optim.lr})"
+            )
+        losses.append(global_loss)
+        loop_time += time.perf_counter() - t0
+        if (step + 1) % config.log_every == 0 or step == 0 or step + 1 == config.max_steps:
+            progress.update_to(
+                step + 1, loss=global_loss, tok_s=tokens_per_step * (step + 1) / loop_time
+            )
+    progress.close()
+
+    from torsh_distributed.train.loop import _EVAL_STEP_BASE
+
+    total = 0.0
+    for i in range(config.eval_batches):
+        x, y = sample_batch(corpus.val, seed=config.seed, step=_EVAL_STEP_BASE + i, **batch)
+        with torch.no_grad():
+            holder.eval()
+            total += run(x, y, train=False)
+            holder.train()
+    tail = losses[-min(10, len(losses)) :]
+    result = TrainResult(
+        steps=len(losses),
+        losses=losses,
+        initial_loss=losses[0],
+        final_loss=sum(tail) / len(tail),
+        val_loss=total / config.eval_batches,
+        tokens_per_s=tokens_per_step * len(losses) / loop_time if loop_time else 0.0,
+        world_size=runtime.world_size,
+        wall_time_s=time.perf_counter() - started,
+        num_params=total_params,
+        backend=runtime.backend,
+    )
+    if runtime.is_main:
+        print(format_summary(result.summary()), flush=True)
+        if config.summary_json:
+            path = Path(config.summary_json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result.summary(), indent=2) + "\n")
+    return result

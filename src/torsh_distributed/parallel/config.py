@@ -1,0 +1,194 @@
+"""The trainer's ``parallel`` section: ZeRO stage, offload, mixed precision, checkpointing.
+
+Torch-free so that building and validating configs (the CLI) stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+__all__ = ["ParallelConfig", "parse_activation_checkpointing", "ZERO_STAGES"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+_DTYPES = ("fp32", "bf16", "fp16")
+_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # issue 7
+
+
+def parse_activation_checkpointing(text: str) -> int:
+    """``none`` -> 0, ``full`` -> 1 (every block), ``every-k`` -> k (every k-th block).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if text == "none":
+        return 0
+    if text == "full":
+        return 1
+    if text.startswith("every-"):
+        try:
+            k = int(text.removeprefix("every-"))
+        except ValueError:
+            k = 0
+        if k >= 1:
+            return k
+    raise ValueError(
+        f"parallel.activation_checkpointing must be none, full or every-K (K >= 1, e.g. every-2); "
+        f"got {text!r}"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Data-parallel sharding: one setting switches DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2)."""
+
+    zero_stage: int = field(default=0, metadata={"flags": ["--zero-stage"]})
+    """0 = DDP; 1 = DDP + torch's ZeroRedundancyOptimizer (optimizer state sharded); 2 = FSDP2
+    without resharding after forward (gradients and optimizer state sharded; parameters gathered
+    once per step); 3 = FSDP2 (parameters too; re-gathered in backward, least memory)."""
+    offload: str = "none"
+    """``none`` or ``cpu``: torch's CPUOffloadPolicy keeps sharded parameters, gradients and
+    optimizer state in host memory and steps the optimizer there (stages 2-3 only). Saves device
+    memory at the cost of host-device copies every step; on a CPU-only run it moves nothing."""
+    param_dtype: str = "fp32"
+    """Compute dtype of forward/backward: ``fp32``, ``bf16`` or ``fp16``. Stages 2-3: FSDP2's
+    MixedPrecisionPolicy (gathered parameters in this dtype; the fp32 shards stay the master
+    copy). Stages 0-1: ``torch.autocast`` around the forward (matmuls in 16 bits, norms and the
+    loss in fp32). fp16 turns on loss scaling (fp16's narrow range under/overflows gradients)."""
+    reduce_dtype: str = "fp32"
+    """Dtype of the gradient reduce-scatter (stages 2-3): ``fp32`` (exact sums), ``bf16`` or
+    ``fp16`` (half the traffic, rounding in the sum; fp16 turns on loss scaling). Stages 0-1
+    reduce fp32 gradients (use ``--compression fp16`` for 16-bit all-reduce there)."""
+    loss_scale_init: float = 2.0**15
+    """fp16 only: initial loss scale of the dynamic scaler (halved on every overflow, which skips
+    that step on all ranks). torch's default 2**16 is inf in fp16, so with an fp16 loss (FSDP2)
+    the first step would always be skipped; 2**15 is the largest power of two fp16 holds."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: double the loss scale after this many steps without overflow (torch's default)."""
+    activation_checkpointing: str = field(
+        default="none", metadata={"flags": ["--activation-checkpointing", "--ac"]}
+    )
+    """``none``, ``full`` (recompute every block in backward) or ``every-K`` (every K-th block):
+    trades about one extra forward for the blocks' saved activations."""
+    wrap: str = "block"
+    """FSDP unit policy: ``block`` (each transformer block is a unit, by module type) or ``size``
+    (any submodule with at least ``wrap_min_params`` parameters). Smaller units lower stage 3's
+    transient memory but issue more, smaller collectives."""
+    wrap_min_params: int = 100_000
+    """Parameter threshold of ``wrap=size``."""
+    meta_init: bool = field(default=False, metadata={"negatable": True})
+    """Build the model on the ``meta`` device, shard it, then allocate and initialise only the
+    local shards: no rank ever holds the full model. The initial draw then differs from the
+    default (same distribution), so losses are not comparable with a run without it."""
+
+    # --- model parallelism (issue 7): see parallel/tensor.py, parallel/pipeline.py ---
+    tp: int = field(default=1, metadata={"flags": ["--tp"]})
+    """Tensor-parallel degree: attention heads, MLP width and vocabulary sharded over ``tp``
+    ranks (innermost mesh axis). Saves memory per rank at the cost of two all-reduces per block."""
+    pp: int = field(default=1, metadata={"flags": ["--pp"]})
+    """Pipeline-parallel degree: the blocks split by layer count into ``pp`` stages (times
+    ``virtual_stages``). Idle time (the bubble) is ``(pp-1)/(microbatches+pp-1)`` of a step."""
+    dp: int = field(default=-1, metadata={"flags": ["--dp"]})
+    """Data-parallel degree; -1 = the rest (world size / (tp * pp)). ``dp * tp * pp`` must equal
+    the world size."""
+    pp_schedule: str = field(default="1f1b", metadata={"flags": ["--pp-schedule"]})
+    """``gpipe`` (all forwards then all backwards; stashes every micro-batch's activations),
+    ``1f1b`` (at most ``pp`` micro-batches in flight; same bubble) or ``interleaved`` (1F1B over
+    ``virtual_stages`` stages per rank: bubble divided by ``virtual_stages``, more messages)."""
+    microbatches: int = field(default=0, metadata={"flags": ["--microbatches"]})
+    """Micro-batches per step with ``pp > 1``; 0 = ``pp * virtual_stages``. More shrink the
+    bubble but make each micro-batch smaller."""
+    virtual_stages: int = field(default=1, metadata={"flags": ["--virtual-stages"]})
+    """Pipeline stages per rank (``interleaved`` only)."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """``microbatches``, with 0 resolved to ``pp * virtual_stages``."""
+        return self.microbatches or self.pp * self.virtual_stages
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether tensor or pipeline parallelism is on (the trainer's model-parallel loop)."""
+        return self.tp > 1 or self.pp > 1
+
+    # --- end model parallelism ---
+
+    def __post_init__(self) -> None:
+        self._check_model_parallel()  # issue 7
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"parallel.zero_stage must be one of 0, 1, 2, 3; got {self.zero_stage}"
+            )
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"parallel.offload must be none or cpu; got {self.offload!r}")
+        if self.offload != "none" and self.zero_stage < 2:
+            raise ValueError(
+                f"parallel.offload={self.offload!r} needs zero_stage 2 or 3: offload is FSDP2's "
+                f"CPUOffloadPolicy, and stages 0-1 keep full replicas under DDP"
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(
+                    f"parallel.{name} must be one of {', '.join(_DTYPES)}; got {getattr(self, name)!r}"
+                )
+        if self.reduce_dtype != "fp32" and self.zero_stage < 2:
+            raise ValueError(
+                f"parallel.reduce_dtype={self.reduce_dtype!r} needs zero_stage 2 or 3 (FSDP2's "
+                f"MixedPrecisionPolicy): stages 0-1 are DDP, which all-reduces the fp32 gradients; "
+                f"use --compression {self.reduce_dtype} for a 16-bit all-reduce there"
+            )
+        if (self.param_dtype, self.reduce_dtype) != ("fp32", "fp32") and self.model_parallel:
+            raise ValueError(
+                "parallel.param_dtype/reduce_dtype other than fp32 do not combine with tp/pp > 1 "
+                "yet: the model-parallel loop has no autocast or loss scaling"
+            )
+        self._check_loss_scale()
+        parse_activation_checkpointing(self.activation_checkpointing)
+        if self.wrap not in ("block", "size"):
+            raise ValueError(f"parallel.wrap must be block or size; got {self.wrap!r}")
+        if self.wrap_min_params < 1:
+            raise ValueError(f"parallel.wrap_min_params must be >= 1, got {self.wrap_min_params}")
+
+    def _check_loss_scale(self) -> None:
+        if not (self.loss_scale_init > 0 and math.isfinite(self.loss_scale_init)):
+            raise ValueError(
+                f"parallel.loss_scale_init must be a finite number > 0, got {self.loss_scale_init}"
+            )
+        if self.loss_scale_growth_interval < 1:
+            raise ValueError(
+                f"parallel.loss_scale_growth_interval must be >= 1, "
+                f"got {self.loss_scale_growth_interval}"
+            )
+        fp16 = "fp16" in (self.param_dtype, self.reduce_dtype)
+        default = (self.loss_scale_init, self.loss_scale_growth_interval) == (2.0**15, 2000)
+        if not fp16 and not default:
+            warnings.warn(
+                "parallel.loss_scale_init/loss_scale_growth_interval are ignored: loss scaling "
+                "is only used with param_dtype or reduce_dtype fp16",
+                stacklevel=3,
+            )
+
+    def _check_model_parallel(self) -> None:  # issue 7 (world-size checks: parallel/_trainer_mp.py)
+        for name in ("tp", "pp", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp != -1 and self.dp < 1:
+            raise ValueError(f"parallel.dp must be >= 1 or -1 (the rest), got {self.dp}")
+        if self.microbatches < 0:
+            raise ValueError(f"parallel.microbatches must be >= 0 (0 = pp), got {self.microbatches}")
+        if self.pp_schedule not in _PP_SCHEDULES:
+            raise ValueError(
+                f"parallel.pp_schedule must be one of {', '.join(_PP_SCHEDULES)}; got {self.pp_schedule!r}"
+            )
+        if self.model_parallel and (self.zero_stage == 1 or self.checkpoint_every or self.meta_init):
+            raise ValueError(
+                "parallel.tp/pp > 1 combine with zero_stage 0 (dp gradient all-reduce) or 2-3 "
+                "(FSDP2 over the dp axis), not yet with zero_stage 1, activation_checkpointing "
+                "or meta_init"
+            )
+
+    @property
+    def checkpoint_every(self) -> int:
+        """0 = no activation checkpointing, k = every k-th block (1 = all)."""
+        return parse_activation_checkpointing(self.activation_checkpointing)

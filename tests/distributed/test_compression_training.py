@@ -1,0 +1,182 @@
+"""Compressed data parallelism on 2 ranks: every method trains the built-in model to within 3 %
+of uncompressed; compressor state saved mid-run continues identically; DDP's options work.
+
+All training runs of a test share one process launch (CI budget)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torsh_distributed.compression import build_compressor, find_compression, register_compression
+from torsh_distributed.parallel.data import DDPOptions, apply_ddp, ddp_options
+from torsh_distributed.testing import run_distributed
+from torsh_distributed.train import TrainConfig, preset, train
+from torsh_distributed.train.config import ModelConfig
+from torsh_distributed.train.model import GPT
+
+# Methods at the settings this CI budget (200 steps of a 137 k-parameter model) can take to
+# within 3 % of uncompressed; the 1 % sparsifiers need longer runs (see docs/compression.md).
+SPECS = [
+    "fp16", "bf16", "int8", "topk:0.3", "threshold:1e-3", "ternary", "powersgd:4", "ef21:topk:0.1",
+    "auto",
+]
+# Known misses on this budget (sparse/sign updates under Adam, see docs/compression.md): they
+# train, checked with a looser bound that still fails on a broken method (initial loss ~ +130 %).
+LOOSE = {"randomk:0.5": 0.15, "topk:0.01": 0.2, "sign": 0.25, "sign:vote": 0.08}
+STEPS = 200
+
+
+def _config(method: str) -> dict:
+    cfg = preset("tiny")
+    cfg.max_steps = STEPS
+    cfg.batch_size = 8
+    cfg.progress = False
+    cfg.eval_batches = 1
+    cfg.compression.method = method
+    return cfg.to_dict()
+
+
+def _train_all(methods: list[str]) -> dict[str, dict]:
+    out = {}
+    for method in methods:
+        result = train(TrainConfig.from_dict(_config(method)))
+        out[method] = {"loss": result.final_loss, "compression": result.compression}
+    return out
+
+
+@pytest.mark.slow
+def test_every_compressor_trains_within_three_percent_of_uncompressed():
+    results = run_distributed(_train_all, 2, args=(["none", *SPECS, *LOOSE],), timeout=900)
+    assert results[0].keys() == results[1].keys()
+    base = results[0]["none"]["loss"]
+    gaps = {m: (r["loss"] - base) / base for m, r in results[0].items()}
+    failed = {m: f"{g:+.2%}" for m, g in gaps.items() if g > LOOSE.get(m, 0.03)}
+    assert not failed, f"loss gap > 3 % vs none ({base:.4f}): {failed}"
+    for method, r in results[0].items():
+        c = r["compression"]
+        assert set(c) >= {"method", "bytes_uncompressed", "bytes_sent", "ratio", "seconds"}
+        if method not in ("none", "auto", "threshold:1e-3", "randomk:0.5"):
+            assert c["bytes_sent"] < c["bytes_uncompressed"], (method, c)
+            assert c["ratio"] == pytest.approx(c["bytes_uncompressed"] / c["bytes_sent"], rel=1e-3)
+    none = results[0]["none"]["compression"]
+    assert none["ratio"] == 1.0 and none["steps"] == STEPS and none["bytes_sent"] > 0
+    assert results[0]["int8"]["compression"]["ratio"] == pytest.approx(4.0, rel=0.01)
+    assert results[0]["fp16"]["compression"]["ratio"] == pytest.approx(2.0, rel=0.01)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(block_size=16, n_layer=1, n_head=2, d_model=32))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x = torch.randint(0, 256, (4, 17), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _run(model, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _batch(step)
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _build(spec: str):
+    base = _model()
+    # several buckets; find_unused_parameters keeps DDP from rebuilding them after step 1, so
+    # a restored run sees the layout the saved state was keyed by (see docs/compression.md)
+    model = apply_ddp(base, bucket_cap_mb=0.02, find_unused_parameters=True)
+    hook = register_compression(model, build_compressor(spec, seed=3))
+    opt = torch.optim.AdamW(base.parameters(), lr=1e-2)
+    return base, model, hook, opt
+
+
+def _save_restore(specs: list[str]) -> dict[str, tuple[bool, bool, bool]]:
+    torch.set_num_threads(1)
+    out = {}
+    for spec in specs:
+        base, model, hook, opt = _build(spec)
+        _run(model, opt, range(0, 12))  # past auto's probing (1 + 2 x 5 steps)
+        blob = io.BytesIO()
+        torch.save({"model": base.state_dict(), "opt": opt.state_dict(), "comp": hook.state_dict()}, blob)
+        straight = _run(model, opt, range(12, 18))
+        blob.seek(0)
+        state = torch.load(blob, weights_only=True)
+        base2, model2, hook2, opt2 = _build(spec)
+        base2.load_state_dict(state["model"])
+        opt2.load_state_dict(state["opt"])
+        hook2.load_state_dict(state["comp"])
+        resumed = _run(model2, opt2, range(12, 18))
+        # control: restoring everything but the compressor state changes the run
+        base3, model3, _, opt3 = _build(spec)
+        base3.load_state_dict(state["model"])
+        opt3.load_state_dict(state["opt"])
+        fresh = _run(model3, opt3, range(12, 18))
+        out[spec] = (straight == resumed, straight != fresh, find_compression(model2) is hook2)
+    return out
+
+
+@pytest.mark.slow
+def test_compressor_state_restores_mid_training_identically():
+    specs = ["topk:0.05", "powersgd:2", "int8", "ternary", "randomk:0.1", "ef21:topk:0.1", "auto"]
+    results = run_distributed(_save_restore, 2, args=(specs,), timeout=300)
+    for spec, (identical, state_matters, found) in results[0].items():
+        assert identical, f"{spec}: the restored run differs from the uninterrupted one"
+        assert found
+        if spec not in ("int8",):  # int8 round-to-nearest keeps no state
+            assert state_matters, f"{spec}: the run does not depend on the compressor state"
+
+
+def _ddp_options_case() -> dict[str, object]:
+    torch.set_num_threads(1)
+    out: dict[str, object] = {}
+    # no_sync gradient accumulation over two micro-batches == one step on both at once
+    base = _model()
+    model = apply_ddp(base, gradient_as_bucket_view=True, first_bucket_mb=0.01, bucket_cap_mb=0.05)
+    static = apply_ddp(_model(), static_graph=True)
+    out["static"] = bool(static.static_graph) and bool(model.gradient_as_bucket_view)
+    x, y = _batch(0)
+    with model.no_sync():
+        _, loss = model(x[:2], y[:2])
+        (loss / 2).backward()
+    _, loss = model(x[2:], y[2:])
+    (loss / 2).backward()
+    accumulated = torch.cat([p.grad.reshape(-1) for p in base.parameters()])
+    ref_base = _model()
+    ref = apply_ddp(ref_base)
+    _, loss = ref(x, y)
+    loss.backward()
+    full = torch.cat([p.grad.reshape(-1) for p in ref_base.parameters()])
+    out["accumulation"] = float((accumulated - full).abs().max() / full.abs().max())
+    # options from a ddp_options block reach apply_ddp calls that pass none
+    with ddp_options(DDPOptions(find_unused_parameters=True, bucket_cap_mb=0.05)):
+        inner = apply_ddp(_model())
+    out["find_unused"] = bool(inner.find_unused_parameters)
+    out["default_after"] = bool(apply_ddp(_model()).find_unused_parameters)
+    # the none hook (Identity) gives DDP's result
+    b1, m1 = _model(), None
+    m1 = apply_ddp(b1)
+    register_compression(m1, build_compressor("none"))
+    _, loss = m1(x, y)
+    loss.backward()
+    hooked = torch.cat([p.grad.reshape(-1) for p in b1.parameters()])
+    out["identity"] = float((hooked - full).abs().max() / full.abs().max())
+    return out
+
+
+def test_ddp_options_and_no_sync_accumulation():
+    results = run_distributed(_ddp_options_case, 2, timeout=120)
+    for r in results:
+        assert r["static"] and r["find_unused"] and not r["default_after"]
+        assert r["accumulation"] < 1e-5
+        assert r["identity"] < 1e-6

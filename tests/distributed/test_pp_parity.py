@@ -1,0 +1,203 @@
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B) trains exactly like one process.
+
+Two ranks, one spawn for the three schedules: per-step global losses and validation loss equal
+a one-process run on the same global batch within 1e-4 relative (fp32 CPU). Invalid set-ups
+raise their ``ValueError`` on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torsh_distributed.parallel.pipeline import (
+    check_pipeline,
+    check_split_points,
+    stage_ids,
+    stage_layers,
+)
+from torsh_distributed.testing import RankFailedError, run_distributed
+from torsh_distributed.train import TrainConfig, preset, train
+
+REL = 1e-4
+SCHEDULES = {
+    "gpipe": {"pp": 2, "pp_schedule": "gpipe", "microbatches": 2},
+    "1f1b": {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4},
+    "interleaved": {"pp": 2, "pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2},
+}
+
+
+def _config(steps: int = 4) -> dict:
+    cfg = preset("tiny")
+    cfg.max_steps = steps
+    cfg.batch_size = 8
+    cfg.progress = False
+    cfg.eval_batches = 1
+    cfg.data.max_bytes = 200_000
+    cfg.model.n_layer = 4
+    cfg.model.block_size = 32
+    cfg.model.d_model = 32
+    return cfg.to_dict()
+
+
+def _run(variants: dict[str, dict]) -> dict[str, tuple[list[float], float]]:
+    out = {}
+    for name, parallel in variants.items():
+        data = json.loads(json.dumps(_config()))
+        data["parallel"] = parallel
+        result = train(TrainConfig.from_dict(data))
+        out[name] = (result.losses, result.val_loss)
+    return out
+
+
+def test_pp2_each_schedule_matches_one_process() -> None:
+    ref_losses, ref_val = run_distributed(_run, 1, args=({"one": {}},), timeout=180)[0]["one"]
+    assert ref_losses[-1] < ref_losses[0], "the loss did not fall"
+    results = run_distributed(_run, 2, args=(SCHEDULES,), timeout=300)
+    for name in SCHEDULES:
+        assert results[1][name] == results[0][name], f"{name}: ranks disagree"
+        losses, val = results[0][name]
+        for step, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
+            assert b == pytest.approx(a, rel=REL), f"{name}, step {step + 1}"
+        assert val == pytest.approx(ref_val, rel=REL), f"{name}: validation loss"
+
+
+def _train_invalid(parallel: dict) -> None:
+    data = _config(steps=1)
+    data["parallel"] = parallel
+    train(TrainConfig.from_dict(data))
+
+
+def test_invalid_pipeline_fails_fast_on_every_rank() -> None:
+    # 1F1B with 1 micro-batch for 2 stages: each rank raises before the first collective
+    with pytest.raises(
+        RankFailedError, match=r"microbatches=1 is fewer than the 2 pipeline stages"
+    ) as info:
+        run_distributed(_train_invalid, 2, args=({"pp": 2, "microbatches": 1},), timeout=60)
+    assert "rank 1" in str(info.value) and "ValueError" in str(info.value)
+
+
+BASE = {
+    "pp": 2,
+    "schedule": "1f1b",
+    "microbatches": 2,
+    "virtual_stages": 1,
+    "n_layer": 4,
+    "batch_size": 8,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"microbatches": 1}, r"1f1b needs microbatches >= pp"),
+        ({"schedule": "interleaved", "virtual_stages": 2, "microbatches": 1}, r"interleaved needs"),
+        ({"schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}, r"multiple of pp=2"),
+        ({"schedule": "interleaved"}, r"virtual_stages >= 2"),
+        ({"virtual_stages": 2}, r"needs parallel.pp_schedule=interleaved"),
+        ({"n_layer": 3}, r"n_layer=3 is not divisible into 2 pipeline stages"),
+        ({"schedule": "interleaved", "virtual_stages": 2, "n_layer": 6}, r"not divisible into 4"),
+        ({"batch_size": 6, "microbatches": 4}, r"batch 6 is not divisible"),
+        ({"schedule": "zb"}, r"pp_schedule must be one of gpipe, 1f1b, interleaved"),
+    ],
+)
+def test_invalid_pipeline_setups(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_pipeline(**{**BASE, **change})
+
+
+def _split_step(split_points: list[int]) -> tuple[float, float, float]:
+    import torch
+    import torch.distributed as dist
+
+    from torsh_distributed.parallel.pipeline import build_pipeline
+    from torsh_distributed.train.config import ModelConfig
+    from torsh_distributed.train.model import GPT
+
+    cfg = ModelConfig(block_size=16, n_layer=3, n_head=2, d_model=32)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 256, (4, 16), generator=gen) for _ in range(2))
+    _, ref_loss = reference(x, y)
+    ref_loss.backward()
+    runner = build_pipeline(
+        model,
+        pp_rank=dist.get_rank(),
+        pp=2,
+        group=None,
+        device=torch.device("cpu"),
+        schedule="gpipe",
+        microbatches=2,
+        split_points=split_points,
+    )
+    loss = runner.step(x, y)
+    ref_grads = dict(reference.named_parameters())
+    worst = max(
+        float((p.grad - ref_grads[n].grad).abs().max())
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    )
+    return (float(loss) if loss is not None else float("nan"), float(ref_loss), worst)
+
+
+def test_explicit_split_points_match_unsplit_model() -> None:
+    # 3 blocks cut [0] [1, 2]: uneven stages, one step of loss and gradients
+    results = run_distributed(_split_step, 2, args=([1],), timeout=120)
+    loss, ref_loss, _ = results[1]  # rank 1 holds the last stage
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for _, _, worst in results:
+        assert worst < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("points", "match"),
+    [
+        ([1, 2], r"must give 1 boundaries for 2 stages"),
+        ([3], r"strictly increasing within \[1, 3\)"),
+    ],
+)
+def test_invalid_split_points(points: list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_split_points(points, num_stages=2, n_layer=3)
+
+
+def test_trainer_flags_reach_the_config() -> None:
+    import argparse
+
+    from torsh_distributed.cli.train import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    argv = "--tp 2 --pp 2 --dp 1 --pp-schedule interleaved --microbatches 4 --virtual-stages 2"
+    par = config_from_args(parser.parse_args(argv.split())).parallel
+    assert (par.tp, par.pp, par.dp, par.pp_schedule, par.microbatches, par.virtual_stages) == (
+        2,
+        2,
+        1,
+        "interleaved",
+        4,
+        2,
+    )
+    default = config_from_args(parser.parse_args([])).parallel
+    assert (default.tp, default.pp, default.dp, default.model_parallel) == (1, 1, -1, False)
+
+
+def test_gpipe_allows_fewer_microbatches_than_stages() -> None:
+    check_pipeline(**{**BASE, "schedule": "gpipe", "microbatches": 1})
+
+
+def test_stage_placement() -> None:
+    assert stage_ids(1, pp=2, virtual_stages=2) == [1, 3]
+    assert list(stage_layers(3, num_stages=4, n_layer=8)) == [6, 7]
+    assert list(stage_layers(1, num_stages=2, n_layer=3, split_points=[1])) == [1, 2]
+
+
+def test_config_flags_validate() -> None:
+    with pytest.raises(ValueError, match=r"parallel.pp_schedule must be one of"):
+        TrainConfig.from_dict({"parallel": {"pp_schedule": "zb"}})
+    with pytest.raises(ValueError, match=r"parallel.tp must be >= 1"):
+        TrainConfig.from_dict({"parallel": {"tp": 0}})

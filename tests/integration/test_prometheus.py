@@ -1,0 +1,93 @@
+"""A real Prometheus server (Debian package, loopback) scrapes a 2-rank training run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from _monitor_run import TrainingRun
+
+from torsh_distributed.testing import find_free_port
+
+pytest.importorskip("prometheus_client", reason="the monitor extra (prometheus_client) is not installed")
+JOB = "torsh-it"
+
+
+def _query(port: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body = json.loads(response.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen, int]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed: run `make test` as root (installs it) or "
+                    "apt-get install prometheus")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n"
+        "  - job_name: torsh\n    honor_labels: true\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n"
+    )
+    port = find_free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    return proc, port
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_step_time_of_both_ranks(tmp_path: Path):
+    metrics_port = find_free_port()
+    run = TrainingRun(
+        ["--max-steps", "3000", "--monitor-every", "2", "--metrics-port", str(metrics_port),
+         "--metrics-job", JOB],
+        tmp_path / "train.log", slow_rank="1:0.03",
+    )
+    prometheus = None
+    try:
+        run.wait_http(f"http://127.0.0.1:{metrics_port}/metrics")
+        prometheus, prom_port = _start_prometheus(tmp_path, metrics_port)
+        deadline = time.monotonic() + 90
+        ranks: dict[str, float] = {}
+        slowest: list[dict] = []
+        while time.monotonic() < deadline:
+            assert prometheus.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            try:
+                result = _query(prom_port, f'torsh_step_time_seconds{{job="{JOB}"}}')
+                slowest = _query(prom_port, f'torsh_slowest_rank{{job="{JOB}"}}')
+            except OSError:
+                result = []  # Prometheus still starting
+            ranks = {r["metric"]["rank"]: float(r["value"][1]) for r in result}
+            if set(ranks) == {"0", "1"} and slowest:
+                break
+            time.sleep(1)
+        assert set(ranks) == {"0", "1"}, f"step-time series seen: {ranks}\n{run.output()}"
+        assert all(v > 0 for v in ranks.values())
+        assert float(slowest[0]["value"][1]) == 1.0, "the slowed rank 1 is not the slowest"
+        phases = _query(prom_port, f'torsh_step_phase_seconds{{job="{JOB}",rank="1",phase="data"}}')
+        assert phases and float(phases[0]["value"][1]) > 0.02  # rank 1 sleeps 30 ms there
+        assert _query(prom_port, 'up{job="torsh"}')[0]["value"][1] == "1"
+    finally:
+        run.stop()
+        if prometheus is not None:
+            prometheus.terminate()
+            try:
+                prometheus.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                prometheus.kill()
+                prometheus.wait()
+    assert "slowest=r1" in run.output(), "the progress bar shows the slowest rank"

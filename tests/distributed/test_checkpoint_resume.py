@@ -143,3 +143,27 @@ def test_reshard_zero_sharded_checkpoints(tmp_path, stage, before, after):
     b = _weights(cfg, tmp_path / "resumed" / step_dir_name(2 * N))
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _train_precision(config_dict: dict) -> dict:
+    result = train(TrainConfig.from_dict(config_dict))
+    return {"steps": result.steps, "precision": result.precision}
+
+
+def test_fp16_loss_scale_is_restored_on_resume(tmp_path):
+    """The dynamic loss scale is part of the checkpoint: a resumed run does not re-learn it."""
+    cfg = _config(tmp_path, every=2)
+    cfg["max_steps"] = 4
+    cfg["parallel"].update(
+        zero_stage=3, param_dtype="fp16", loss_scale_init=2.0**17, loss_scale_growth_interval=1000
+    )
+    first = run_distributed(_train_precision, 2, args=(cfg,), timeout=240)[0]
+    # 2**17 and 2**16 overflow fp16: the first two steps are skipped and the scale settles at 2**15.
+    assert first["precision"]["skipped_steps"] == 2
+    assert first["precision"]["loss_scale"] == 2.0**15
+    cfg["max_steps"] = 6
+    resumed = run_distributed(_train_precision, 2, args=(cfg,), timeout=240)[0]
+    assert resumed["steps"] == 6
+    # Restored at 2**15: no step of the resumed run overflows (a fresh 2**17 would skip two again).
+    assert resumed["precision"]["skipped_steps"] == 0, resumed["precision"]
+    assert resumed["precision"]["loss_scale"] == 2.0**15

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,8 @@ class TrainerCheckpoint:
         optimizer: Its optimizer.
         num_train_tokens: Size of the training split (for the nominal epoch).
         write: Prints a line on the main rank (the progress bar's ``write``).
+        json_state: Further ``Stateful`` objects whose state is small, JSON-serialisable and the
+            same on every rank (the fp16 loss scaler); stored in the checkpoint's metadata.
     """
 
     def __init__(
@@ -58,8 +60,10 @@ class TrainerCheckpoint:
         optimizer: torch.optim.Optimizer,
         num_train_tokens: int,
         write: Callable[[str], None] | None = None,
+        json_state: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        self.json_state = dict(json_state or {})
         self.section = config.checkpoint
         self.model, self.optimizer = model, optimizer
         self.num_train_tokens = num_train_tokens
@@ -100,6 +104,9 @@ class TrainerCheckpoint:
             extra.get("data", {}), seed=self.config.seed, batch_size=self.config.batch_size
         )
         losses = [float(x) for x in extra.get("losses", [])][:step]
+        for name, obj in self.json_state.items():
+            if name in extra.get("state", {}):
+                obj.load_state_dict(extra["state"][name])
         self.resumed_step = self._saved_step = step
         if self.is_main:
             for line in loaded.skipped:
@@ -132,6 +139,7 @@ class TrainerCheckpoint:
                     num_train_tokens=self.num_train_tokens,
                 ),
                 "losses": losses,
+                "state": {name: obj.state_dict() for name, obj in self.json_state.items()},
             },
             metric=sum(tail) / len(tail) if tail else None,
             blocking=blocking,

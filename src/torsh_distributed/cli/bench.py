@@ -167,9 +167,10 @@ def run_bench(
             # Interleaved call by call, each call timed from a common start (barrier first, not
             # timed): machine noise hits every impl alike, no impl inherits the previous call's
             # rank skew, and the median ignores bursts.
+            # The order alternates every iteration so that no impl always goes first.
             durations: dict[str, list[float]] = {i: [] for i in usable}
-            for _ in range(rounds * iters):
-                for impl in usable:
+            for it in range(rounds * iters):
+                for impl in usable if it % 2 == 0 else usable[::-1]:
                     dist.barrier()
                     t0 = time.perf_counter()
                     calls[impl]()

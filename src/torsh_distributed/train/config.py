@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torsh_distributed.checkpoint.config import CheckpointConfig  # fault tolerance (issue 5)
-from torsh_distributed.comm.trainer import CommConfig  # communication (issue 3)
-from torsh_distributed.compression.config import CompressionConfig  # gradient compression (issue 8)
-from torsh_distributed.monitor.config import MonitorConfig  # observability (issue 6)
-from torsh_distributed.parallel.config import ParallelConfig  # sharding (issue 4)
+from torsh_distributed.checkpoint.config import CheckpointConfig
+from torsh_distributed.comm.trainer import CommConfig
+from torsh_distributed.compression.config import CompressionConfig
+from torsh_distributed.monitor.config import MonitorConfig
+from torsh_distributed.parallel.config import ParallelConfig
 
 __all__ = ["ModelConfig", "DataConfig", "OptimConfig", "TrainConfig", "PRESETS", "preset"]
 
@@ -114,11 +114,11 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Data-parallel sharding: ZeRO stage (DDP by default), offload, mixed precision, checkpointing."""
     comm: CommConfig = field(default_factory=CommConfig)
-    """Communication: gradient all-reduce algorithm (facade hook), --trace FILE, debug mode (issue 3)."""
+    """Communication: gradient all-reduce algorithm (facade hook), --trace FILE, debug mode."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
-    """Gradient compression (--compression SPEC, DDP only) and DDP's wrapper options (issue 8)."""
+    """Gradient compression (--compression SPEC, DDP only) and DDP's wrapper options."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    """Observability: --metrics-port, --dashboard-port, --alerts FILE, --report-json FILE (issue 6)."""
+    """Observability: --metrics-port, --dashboard-port, --alerts FILE, --report-json FILE."""
     max_steps: int = 200
     """Optimizer steps to run."""
     batch_size: int = 32

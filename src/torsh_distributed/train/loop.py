@@ -1,9 +1,16 @@
 """The training loop of ``torsh-dist train``.
 
 One call, :func:`train`, runs on every rank: it joins (or starts) the process group, builds the
-model from the seed (identical on every rank), applies data parallelism, and steps through the
-deterministic batches of :mod:`torsh_distributed.train.data`. Rank 0 shows progress and writes
-the summary. The result is returned on every rank so tests can compare runs.
+model from the seed (identical on every rank), parallelizes it (DDP or ZeRO-1/2/3; tensor and
+pipeline parallelism hand over to their own loop), and steps through the deterministic batches of
+:mod:`torsh_distributed.train.data`. Rank 0 shows progress and writes the summary. The result is
+returned on every rank so tests can compare runs.
+
+Each feature is a component with a few hooks, cheap or a no-op when switched off, so the loop
+reads top to bottom: ``TrainerCompression`` (gradient compression hook), ``TrainerMemory``
+(predicted vs measured memory), ``LossScaler`` (fp16), ``TrainerComm`` (facade all-reduce hook,
+``--trace``), ``TrainerCheckpoint`` (resume, periodic and final saves), ``TrainerMonitor``
+(per-phase timings, metrics, report, Prometheus, dashboard).
 """
 
 from __future__ import annotations
@@ -19,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from torsh_distributed.checkpoint.trainer import TrainerCheckpoint
-from torsh_distributed.comm.trainer import TrainerComm  # issue 3
-from torsh_distributed.compression.trainer import TrainerCompression  # issue 8
-from torsh_distributed.monitor.trainer import TrainerMonitor  # issue 6
-from torsh_distributed.parallel._trainer_memory import TrainerMemory, for_table  # issue 4
-from torsh_distributed.parallel.parallelize import build_parallel_model  # issue 4
-from torsh_distributed.parallel.precision import LossScaler  # issue 4: fp16 loss scaling
-from torsh_distributed.parallel.sharded import shard_optimizer  # issue 4
+from torsh_distributed.comm.trainer import TrainerComm
+from torsh_distributed.compression.trainer import TrainerCompression
+from torsh_distributed.monitor.trainer import TrainerMonitor
+from torsh_distributed.parallel._trainer_memory import TrainerMemory, for_table
+from torsh_distributed.parallel.parallelize import build_parallel_model
+from torsh_distributed.parallel.precision import LossScaler  # fp16 loss scaling
+from torsh_distributed.parallel.sharded import shard_optimizer
 from torsh_distributed.runtime import world
 from torsh_distributed.train.config import OptimConfig, TrainConfig
 from torsh_distributed.train.data import Corpus, load_corpus, sample_batch
@@ -62,15 +69,15 @@ class TrainResult:
     backend: str
     """Process-group backend used."""
     memory: dict = field(default_factory=dict)
-    """This rank's memory: measured and predicted model states, peak RSS (issue 4)."""
+    """This rank's memory: measured and predicted model states, peak RSS."""
     compression: dict = field(default_factory=dict)
-    """Rank 0's gradient compression totals: method, bytes uncompressed/sent, ratio, seconds (issue 8)."""
+    """Rank 0's compression totals: method, bytes uncompressed/sent, ratio, seconds."""
     monitor: dict = field(default_factory=dict)
-    """Bottleneck report of ``--monitor`` (slowest rank, step-time breakdown, findings); {} when off (issue 6)."""
+    """Bottleneck report of ``--monitor`` (slowest rank, step time, findings); {} when off."""
     checkpoint: dict = field(default_factory=dict)
-    """Checkpoint saves, seconds the loop was blocked by them, step resumed from; {} when off (issue 5)."""
+    """Checkpoint saves, seconds the loop was blocked by them, step resumed from; {} when off."""
     precision: dict = field(default_factory=dict)
-    """Mixed precision: dtypes, and with fp16 the final loss scale and the skipped steps (issue 4)."""
+    """Mixed precision: dtypes, and with fp16 the final loss scale and the skipped steps."""
 
     def summary(self) -> dict[str, float | int | str]:
         """The summary fields (everything except the per-step losses)."""
@@ -155,32 +162,34 @@ def train(config: TrainConfig) -> TrainResult:
 
 def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> TrainResult:
     rank, size, device = runtime.rank, runtime.world_size, runtime.device
-    # --- model parallelism (issue 7): validate dp x tp x pp; tp/pp > 1 run their own loop ---
+    # Model parallelism: validate dp x tp x pp on every rank before any collective; tp/pp > 1
+    # run their own loop (the step is a pipeline schedule).
     if config.parallel.model_parallel or config.parallel.dp != -1:
-        from torsh_distributed.parallel._trainer_mp import check_model_parallel, train_model_parallel
+        from torsh_distributed.parallel._trainer_mp import (
+            check_model_parallel,
+            train_model_parallel,
+        )
 
-        check_model_parallel(config, size)  # ValueError on every rank before any collective
+        check_model_parallel(config, size)
         if config.parallel.model_parallel:
             _set_threads(config)
             corpus = load_corpus(config.data, min_tokens=config.model.block_size + 2)
             return train_model_parallel(config, runtime, corpus, started)
-    # --- end model parallelism ---
     per_rank = config.check_world(size)
     _set_threads(config)
     corpus = load_corpus(config.data, min_tokens=config.model.block_size + 2)
 
     torch.manual_seed(config.seed)  # identical initial weights on every rank
-    compression = TrainerCompression(config)  # issue 8: validates; DDP options for the wrap below
-    # --- sharding (issue 4): DDP or ZeRO-1/2/3, offload, mixed precision, AC (config.parallel) ---
+    compression = TrainerCompression(config)  # validates; DDP options for the wrap below
+    # Sharding: DDP or ZeRO-1/2/3, offload, mixed precision, activation checkpointing.
     memory = TrainerMemory(config, world_size=size)  # RSS now = the process baseline
     base, model = build_parallel_model(
         lambda: GPT(config.model), config.parallel, device=device, seed=config.seed
     )
     optimizer = shard_optimizer(_optimizer(base, config.optim), stage=config.parallel.zero_stage)
     scaler = LossScaler(config.parallel, device=device)  # fp16: dynamic loss scaling, else no-op
-    # --- end sharding ---
-    compression.attach(model, base)  # issue 8: gradient compression hook (compression.stateful)
-    comm = TrainerComm(config.comm, model)  # issue 3: facade comm hook, --trace, debug mode
+    compression.attach(model, base)  # gradient compression hook (compression.stateful)
+    comm = TrainerComm(config.comm, model)  # facade comm hook, --trace, debug mode
     tokens_per_step = config.batch_size * config.model.block_size
 
     if runtime.is_main:
@@ -194,13 +203,15 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
     progress = Progress(
         total=config.max_steps, enabled=runtime.is_main and config.progress, desc="train"
     )
-    # --- checkpoints: resume before the loop (fault tolerance, issue 5) ---
     ckpt = TrainerCheckpoint(
-        config, model=model, optimizer=optimizer, num_train_tokens=corpus.train.numel()
+        config,
+        model=model,
+        optimizer=optimizer,
+        num_train_tokens=corpus.train.numel(),
+        json_state={"loss_scaler": scaler},
     )
     start_step, losses = ckpt.resume()
-    # --- end checkpoints ---
-    monitor = TrainerMonitor(  # issue 6: per-rank metrics, report, Prometheus, dashboard, alerts
+    monitor = TrainerMonitor(  # per-rank metrics, report, Prometheus, dashboard, alerts
         config.monitor, rank=rank, world_size=size, local_world_size=world.local_world_size(),
         device=device, max_steps=config.max_steps, samples_per_step=per_rank,
         tokens_per_step=per_rank * config.model.block_size, params=list(base.parameters()),
@@ -210,7 +221,7 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
     loop_time = 0.0
     for step in range(start_step, config.max_steps):
         t0 = time.perf_counter()
-        monitor.step_begin(step)  # issue 6
+        monitor.step_begin(step)
         lr = lr_at(step, optim=config.optim, max_steps=config.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -223,19 +234,19 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
             rank=rank,
             num_ranks=size,
         )
-        monitor.phase("data")  # issue 6
+        monitor.phase("data")
         _, loss = model(x.to(device), y.to(device))
-        monitor.phase("forward")  # issue 6
+        monitor.phase("forward")
         optimizer.zero_grad(set_to_none=True)
-        scaler.backward(loss)  # issue 4: loss.backward(), scaled for fp16
-        monitor.phase("backward")  # issue 6
-        grad_norm = None  # issue 6: reported by --monitor when clipping computes it
-        scaler.unscale(optimizer)  # issue 4: fp16: true gradients before clipping
+        scaler.backward(loss)  # loss.backward(), scaled for fp16
+        monitor.phase("backward")
+        grad_norm = None  # reported by --monitor when clipping computes it
+        scaler.unscale(optimizer)  # fp16: true gradients before clipping
         if config.optim.grad_clip:
             grad_norm = torch.nn.utils.clip_grad_norm_(base.parameters(), config.optim.grad_clip)
-        scaler.step(optimizer)  # issue 4: fp16: skipped on every rank if a gradient overflowed
-        monitor.phase("optimizer")  # issue 6
-        memory.after_step(  # issue 4: predicted vs measured after the first step
+        scaler.step(optimizer)  # fp16: skipped on every rank if a gradient overflowed
+        monitor.phase("optimizer")
+        memory.after_step(  # predicted vs measured after the first step
             base, optimizer, main=runtime.is_main, write=progress.write if config.progress else print
         )
         global_loss = float(_mean_across_ranks(loss.detach()))
@@ -244,21 +255,23 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
                 f"loss became {global_loss} at step {step + 1}; lower --lr (now {config.optim.lr})"
             )
         losses.append(global_loss)
-        monitor.step_end(step + 1, loss=global_loss, lr=lr, grad_norm=grad_norm)  # issue 6
+        monitor.step_end(step + 1, loss=global_loss, lr=lr, grad_norm=grad_norm)
         loop_time += time.perf_counter() - t0
-        ckpt.step_end(step + 1, losses)  # save if due (issue 5)
+        ckpt.step_end(step + 1, losses)  # save if due
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.max_steps:
             val_loss = evaluate(model, corpus, config, device)
             progress.write(f"step {step + 1}: val loss {val_loss:.4f}")
         if (step + 1) % config.log_every == 0 or step == 0 or step + 1 == config.max_steps:
             progress.update_to(
-                step + 1, loss=global_loss, tok_s=tokens_per_step * (step + 1 - start_step) / loop_time,
-                **monitor.postfix(),  # issue 6: samples/s and the slowest rank
+                step + 1,
+                loss=global_loss,
+                tok_s=tokens_per_step * (step + 1 - start_step) / loop_time,
+                **monitor.postfix(),  # samples/s and the slowest rank
             )
     progress.close()
-    monitor_report = monitor.finish()  # issue 6: last aggregation (collective), bottleneck report
-    ckpt.finish(config.max_steps, losses)  # final save, wait for async saves (issue 5)
-    comm.finish(main=runtime.is_main)  # issue 3: merged Chrome trace on rank 0
+    monitor_report = monitor.finish()  # last aggregation (collective), bottleneck report
+    ckpt.finish(config.max_steps, losses)  # final save, wait for async saves
+    comm.finish(main=runtime.is_main)  # merged Chrome trace on rank 0
     val_loss = evaluate(model, corpus, config, device)
     tail = losses[-min(10, len(losses)) :]
     result = TrainResult(
@@ -272,14 +285,19 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
         wall_time_s=time.perf_counter() - started,
         num_params=base.num_params(),
         backend=runtime.backend,
-        memory=memory.summary(),  # issue 4
-        compression=compression.summary(),  # issue 8
-        monitor=monitor_report,  # issue 6
-        checkpoint=ckpt.summary(),  # issue 5
-        precision=scaler.summary(),  # issue 4
+        memory=memory.summary(),
+        compression=compression.summary(),
+        monitor=monitor_report,
+        checkpoint=ckpt.summary(),
+        precision=scaler.summary(),
     )
     if runtime.is_main:
-        table = {k: v for k, v in result.summary().items() if k not in ("monitor", "checkpoint")}  # issue 6: report printed above; issue 5: its own line
+        # The monitor's report and the checkpoint line were printed above, and compression
+        # "none" says nothing: the JSON summary keeps all of them.
+        hidden = {"monitor", "checkpoint"}
+        if result.compression.get("method", "none") == "none":
+            hidden.add("compression")
+        table = {k: v for k, v in result.summary().items() if k not in hidden}
         print(format_summary(for_table(table)), flush=True)
         if config.summary_json:
             path = Path(config.summary_json)

@@ -10,6 +10,7 @@ resolves (and a later firing within the cooldown is recorded but not notified).
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ _log = logging.getLogger("torsh_distributed.monitor.alerts")
 
 
 @dataclass(kw_only=True, slots=True)
-class Rule:
+class Rule(abc.ABC):
     """Common fields of every rule; subclasses implement :meth:`check`."""
 
     name: str
@@ -67,9 +68,9 @@ class Rule:
         if self.cooldown_s < 0:
             raise ValueError(f"alert rule {self.name!r}: cooldown_s must be >= 0, got {self.cooldown_s}")
 
-    def check(self, value: float, *, now: float, step: int) -> str | None:  # pragma: no cover
+    @abc.abstractmethod
+    def check(self, value: float, *, now: float, step: int) -> str | None:
         """A message when the rule holds for ``value``, else ``None``."""
-        raise NotImplementedError
 
 
 _OPS = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}

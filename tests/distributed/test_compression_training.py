@@ -11,7 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torsh_distributed.compression import build_compressor, find_compression, register_compression
+from torsh_distributed.compression import (
+    build_compressor,
+    find_compression,
+    prime_buckets,
+    register_compression,
+)
 from torsh_distributed.parallel.data import DDPOptions, apply_ddp, ddp_options
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig, preset, train
@@ -21,7 +26,14 @@ from torsh_distributed.train.model import GPT
 # Methods at the settings this CI budget (200 steps of a 137 k-parameter model) can take to
 # within 3 % of uncompressed; the 1 % sparsifiers need longer runs (see docs/compression.md).
 SPECS = [
-    "fp16", "bf16", "int8", "topk:0.3", "threshold:1e-3", "ternary", "powersgd:4", "ef21:topk:0.1",
+    "fp16",
+    "bf16",
+    "int8",
+    "topk:0.3",
+    "threshold:1e-3",
+    "ternary",
+    "powersgd:4",
+    "ef21:topk:0.1",
     "auto",
 ]
 # Known misses on this budget (sparse/sign updates under Adam, see docs/compression.md): they
@@ -108,7 +120,9 @@ def _save_restore(specs: list[str]) -> dict[str, tuple[bool, bool, bool]]:
         base, model, hook, opt = _build(spec)
         _run(model, opt, range(0, 12))  # past auto's probing (1 + 2 x 5 steps)
         blob = io.BytesIO()
-        torch.save({"model": base.state_dict(), "opt": opt.state_dict(), "comp": hook.state_dict()}, blob)
+        torch.save(
+            {"model": base.state_dict(), "opt": opt.state_dict(), "comp": hook.state_dict()}, blob
+        )
         straight = _run(model, opt, range(12, 18))
         blob.seek(0)
         state = torch.load(blob, weights_only=True)
@@ -135,6 +149,43 @@ def test_compressor_state_restores_mid_training_identically():
         assert found
         if spec not in ("int8",):  # int8 round-to-nearest keeps no state
             assert state_matters, f"{spec}: the run does not depend on the compressor state"
+
+
+def _rebucketing_case() -> dict[str, object]:
+    """DDP re-buckets after step 1: unprimed, the hook resets (never misapplies) its state."""
+    import warnings
+
+    torch.set_num_threads(1)
+    out: dict[str, object] = {}
+    for primed in (False, True):
+        base = _model()
+        model = apply_ddp(base, bucket_cap_mb=0.02)
+        hook = register_compression(model, build_compressor("topk:0.05", seed=3))
+        opt = torch.optim.AdamW(base.parameters(), lr=1e-2)
+        if primed:
+            x, y = _batch(99)
+            out["primed_ran"] = prime_buckets(
+                model, lambda m=model, x=x, y=y: m(x[:1, :2], y[:1, :2])[1]
+            )
+            out["grads_cleared"] = all(p.grad is None for p in base.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(model, opt, range(0, 3))
+        messages = [str(w.message) for w in caught if "changed its parameters" in str(w.message)]
+        out[f"warned_{primed}"] = bool(messages)
+        out[f"steps_{primed}"] = hook.steps
+        out[f"layouts_{primed}"] = len(hook.layouts)
+    return out
+
+
+def test_rebucketing_resets_state_unless_primed():
+    results = run_distributed(_rebucketing_case, 2, timeout=120)
+    for r in results:
+        assert r["warned_False"], "DDP re-bucketed without the hook noticing"
+        assert not r["warned_True"], "prime_buckets left a layout change for training"
+        assert r["primed_ran"] and r["grads_cleared"]
+        assert r["steps_True"] == 3, "priming must not count as a step"
+        assert r["layouts_True"] > 1
 
 
 def _ddp_options_case() -> dict[str, object]:

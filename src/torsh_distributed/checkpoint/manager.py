@@ -3,13 +3,15 @@
 Layout of ``directory``::
 
     step_00000020/            committed: DCP shards (__R_0.distcp), .metadata, rank_RRRRR.json,
+                              rank_RRRRR.pt (per-rank tensors, when given),
                               meta.json, manifest.json (SHA-256 of every file), COMMITTED
     .tmp-step_00000030/       being written (or left behind by a kill): never loaded
 
 A save (every rank calls :meth:`CheckpointManager.save` at the same step):
 
-1. each rank writes ``rank_R.json`` (its RNG states and any per-rank JSON) into the temporary
-   directory, rank 0 also ``meta.json`` (step, world size, config hash, metric, the caller's JSON);
+1. each rank writes ``rank_R.json`` (its RNG states and any per-rank JSON) and, when given,
+   ``rank_R.pt`` (per-rank tensors such as gradient-compression residuals; ``torch.save``, read
+   back with ``weights_only=True``) into the temporary directory, rank 0 also ``meta.json`` (step, world size, config hash, metric, the caller's JSON);
 2. model and optimizer state come from ``torch.distributed.checkpoint.state_dict.get_state_dict``
    (so DDP, FSDP2 and ZeRO-sharded models all work, and a checkpoint reshards on load) and are written
    by ``dcp.save``, or by ``dcp.async_save`` whose only cost to the training loop is the copy into
@@ -115,10 +117,17 @@ class LoadedCheckpoint:
     """``meta.json``; ``meta["extra"]`` holds the JSON given to :meth:`CheckpointManager.save`."""
     rank_state: dict[str, Any] | None
     """This rank's JSON from the save, or ``None`` when the world size changed."""
+    rank_tensors: dict[str, Any] | None
+    """This rank's ``rank_tensors`` from the save; ``None`` when the world size changed or
+    none were saved."""
     rng_restored: bool
     """False when the world size changed (RNG states are per rank and were left alone)."""
     skipped: list[str] = field(default_factory=list)
     """Descriptions of newer checkpoints that were invalid and skipped."""
+
+
+def _rank_tensors_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
 
 
 def _dir_size(path: Path) -> int:
@@ -318,6 +327,7 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer | None = None,
         extra: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
+        rank_tensors: Mapping[str, Any] | None = None,
         metric: float | None = None,
         blocking: bool | None = None,
     ) -> float:
@@ -329,6 +339,9 @@ class CheckpointManager:
             optimizer: Its optimizer, or ``None``.
             extra: JSON-serialisable run state (rank 0's is stored): data position, losses, ...
             rank_state: JSON-serialisable per-rank state, returned by :meth:`load` on that rank.
+            rank_tensors: Per-rank state holding tensors (dicts, lists, numbers, strings and
+                tensors only), written synchronously with ``torch.save`` and returned by
+                :meth:`load` on the same rank at the same world size.
             metric: Lower is better; used by ``keep_best``.
             blocking: Override ``async_save`` for this save (``True`` = synchronous).
 
@@ -348,6 +361,8 @@ class CheckpointManager:
                 "state": dict(rank_state or {}),
             }
             (tmp / f"rank_{self.rank:05d}.json").write_text(json.dumps(rank_file))
+            if rank_tensors:
+                torch.save(dict(rank_tensors), tmp / _rank_tensors_file(self.rank))
             if self.rank == 0:
                 meta = {
                     "format": manifest.FORMAT_VERSION,
@@ -584,17 +599,21 @@ class CheckpointManager:
                 stacklevel=2,
             )
         same_world = meta.get("world_size") == self.world_size
-        rank_state = None
+        rank_state = rank_tensors = None
         if same_world:
             rank_file = json.loads((chosen / f"rank_{self.rank:05d}.json").read_text())
             restore_rng(rank_file["rng"])
             rank_state = rank_file.get("state")
+            tensors_file = chosen / _rank_tensors_file(self.rank)
+            if tensors_file.exists():  # verified by the manifest; plain data only, never code
+                rank_tensors = torch.load(tensors_file, map_location="cpu", weights_only=True)
         self._last_save_time = time.monotonic()
         return LoadedCheckpoint(
             path=chosen,
             step=int(meta["step"]),
             meta=meta,
             rank_state=rank_state,
+            rank_tensors=rank_tensors,
             rng_restored=same_world,
             skipped=skipped,
         )

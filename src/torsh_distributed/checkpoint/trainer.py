@@ -4,7 +4,9 @@
 ``step_end(step, losses)`` after every step, ``finish(step, losses)`` after the loop. What a
 checkpoint holds besides model and optimizer: the data position (the step; see
 :mod:`~torsh_distributed.checkpoint.resume`), the loss history (so a resumed run reports every
-step), and a hash of the settings that change the computation.
+step), a hash of the settings that change the computation, small JSON state that is equal on
+every rank (the fp16 loss scale) and per-rank tensor state (gradient-compression residuals and
+PowerSGD factors, in ``rank_R.pt``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class TrainerCheckpoint:
         write: Prints a line on the main rank (the progress bar's ``write``).
         json_state: Further ``Stateful`` objects whose state is small, JSON-serialisable and the
             same on every rank (the fp16 loss scaler); stored in the checkpoint's metadata.
+        rank_state: ``Stateful`` objects whose state differs per rank and holds tensors (the
+            compression hook: residuals, PowerSGD factors); saved per rank and restored when the
+            world size is unchanged (a resharded run starts them afresh and says so).
     """
 
     def __init__(
@@ -61,9 +66,11 @@ class TrainerCheckpoint:
         num_train_tokens: int,
         write: Callable[[str], None] | None = None,
         json_state: Mapping[str, Any] | None = None,
+        rank_state: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.json_state = dict(json_state or {})
+        self.rank_state = {k: v for k, v in (rank_state or {}).items() if v is not None}
         self.section = config.checkpoint
         self.model, self.optimizer = model, optimizer
         self.num_train_tokens = num_train_tokens
@@ -107,6 +114,7 @@ class TrainerCheckpoint:
         for name, obj in self.json_state.items():
             if name in extra.get("state", {}):
                 obj.load_state_dict(extra["state"][name])
+        missing = self._load_rank_state(loaded.rank_tensors or {})
         self.resumed_step = self._saved_step = step
         if self.is_main:
             for line in loaded.skipped:
@@ -121,8 +129,27 @@ class TrainerCheckpoint:
                 )
             )
             self.write(f"checkpoint: resumed from {loaded.path} at step {step}{note}")
+            if missing:
+                self.write(
+                    f"checkpoint: {', '.join(missing)} state not in the checkpoint "
+                    f"{'(per-rank state is not resharded)' if not loaded.rng_restored else ''}"
+                    "; it starts afresh"
+                )
             faults.log_event("resumed", rank=self.rank, step=step, path=str(loaded.path))
         return step, losses
+
+    def _load_rank_state(self, saved: Mapping[str, Any]) -> list[str]:
+        """Restore each ``rank_state`` object saved on this rank; return the names not found."""
+        missing = []
+        for name, obj in self.rank_state.items():
+            if name not in saved:
+                missing.append(name)
+                continue
+            try:
+                obj.load_state_dict(saved[name])
+            except ValueError as exc:  # e.g. saved with another compression method
+                missing.append(f"{name} ({exc})")
+        return missing
 
     def _save(self, step: int, losses: list[float], *, blocking: bool | None = None) -> None:
         assert self.manager is not None
@@ -141,6 +168,7 @@ class TrainerCheckpoint:
                 "losses": losses,
                 "state": {name: obj.state_dict() for name, obj in self.json_state.items()},
             },
+            rank_tensors={name: obj.state_dict() for name, obj in self.rank_state.items()},
             metric=sum(tail) / len(tail) if tail else None,
             blocking=blocking,
         )

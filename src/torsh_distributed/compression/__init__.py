@@ -17,6 +17,7 @@ from torsh_distributed.compression.hooks import (
     StepStats,
     compression_hook,
     find_compression,
+    prime_buckets,
     register_compression,
 )
 from torsh_distributed.compression.powersgd import PowerSGD
@@ -50,5 +51,6 @@ __all__ = [
     "find_compression",
     "parse_spec",
     "payload_bytes",
+    "prime_buckets",
     "register_compression",
 ]

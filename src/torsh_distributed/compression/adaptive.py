@@ -53,8 +53,17 @@ class Adaptive(Compressor):
 
     summable = False
 
-    def __init__(self, *, ladder: Sequence[str] = LADDER, warmup_steps: int = 1, probe_repeats: int = 2,
-                 margin: float = 0.1, window: int = 20, cv_threshold: float = 0.25, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        ladder: Sequence[str] = LADDER,
+        warmup_steps: int = 1,
+        probe_repeats: int = 2,
+        margin: float = 0.1,
+        window: int = 20,
+        cv_threshold: float = 0.25,
+        seed: int = 0,
+    ) -> None:
         from torsh_distributed.compression.spec import build_compressor
 
         if not ladder or ladder[0] != "none":
@@ -85,8 +94,15 @@ class Adaptive(Compressor):
             return (self.step - self.warmup_steps) // self.probe_repeats
         return self.choice.get(key, 0)
 
-    def reduce(self, tensor: torch.Tensor, comm: Comm, *, key: int = 0,
-               timer: Timer | None = None, shapes: Sequence[torch.Size] | None = None) -> torch.Tensor:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        comm: Comm,
+        *,
+        key: int = 0,
+        timer: Timer | None = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> torch.Tensor:
         timer = timer or Timer()
         idx = self._current(key)
         last = self.last.get(key)
@@ -98,7 +114,12 @@ class Adaptive(Compressor):
         pending = self._pending.pop(key, None)
         if pending is not None and pending.shape == tensor.shape:
             tensor = tensor + pending
-        before = (timer.compress.seconds + timer.decompress.seconds, comm.bytes_sent, comm.rounds, comm.comm_s)
+        before = (
+            timer.compress.seconds + timer.decompress.seconds,
+            comm.bytes_sent,
+            comm.rounds,
+            comm.comm_s,
+        )
         out = self.methods[idx].reduce(tensor, comm, key=key, timer=timer, shapes=shapes)
         if not self._decided:
             sample = (
@@ -163,9 +184,13 @@ class Adaptive(Compressor):
             if costs[best] > (1.0 - self.margin) * costs[0]:
                 best = 0
             choice[key] = best
-            self._log(f"bucket {key}: {self.ladder[best]} (predicted "
-                      + ", ".join(f"{s} {c * 1e3:.2f} ms" for s, c in zip(self.ladder, costs, strict=True))
-                      + f"; latency {latency * 1e3:.3f} ms, {1 / spb / 1e6 if spb else float('inf'):.1f} MB/s)")
+            self._log(
+                f"bucket {key}: {self.ladder[best]} (predicted "
+                + ", ".join(
+                    f"{s} {c * 1e3:.2f} ms" for s, c in zip(self.ladder, costs, strict=True)
+                )
+                + f"; latency {latency * 1e3:.3f} ms, {1 / spb / 1e6 if spb else float('inf'):.1f} MB/s)"
+            )
         return choice
 
     def _unstable(self) -> bool:
@@ -197,8 +222,10 @@ class Adaptive(Compressor):
             comm.broadcast(back)
             if int(back) and self.ceiling > 0:
                 self.ceiling = max(0, max((self.choice[k] for k in self._keys()), default=0) - 1)
-                self._log(f"loss unstable (cv over {self.window} steps > {self.cv_threshold}); "
-                          f"backing off to at most {self.ladder[self.ceiling]}")
+                self._log(
+                    f"loss unstable (cv over {self.window} steps > {self.cv_threshold}); "
+                    f"backing off to at most {self.ladder[self.ceiling]}"
+                )
                 for k in self._keys():
                     self.choice[k] = min(self.choice[k], self.ceiling)
                 self.losses.clear()

@@ -110,8 +110,11 @@ class Comm:
         if self.world_size > 1:
             self.rounds += 1
             self.bytes_sent += tensor.numel() * tensor.element_size()
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
-                           group=self.group)
+            dist.broadcast(
+                tensor,
+                src=dist.get_global_rank(self.group, src) if self.group else src,
+                group=self.group,
+            )
         return tensor
 
 
@@ -281,4 +284,3 @@ class ErrorFeedback(Compressor):
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"
-

@@ -24,7 +24,9 @@ class CompressionConfig:
     error_feedback: str = field(default="default", metadata={"flags": ["--error-feedback"]})
     """``default`` (on for topk, randomk, threshold, sign, powersgd), ``on`` or ``off``:
     accumulate what was not sent and add it to the next gradient."""
-    stochastic_rounding: bool = field(default=False, metadata={"negatable": True, "flags": ["--stochastic-rounding"]})
+    stochastic_rounding: bool = field(
+        default=False, metadata={"negatable": True, "flags": ["--stochastic-rounding"]}
+    )
     """int8 rounds stochastically: unbiased, about twice the error of round-to-nearest."""
     bucket_cap_mb: float = field(default=25.0, metadata={"flags": ["--bucket-cap-mb"]})
     """DDP gradient bucket size in MiB: larger = fewer, larger exchanges (better bandwidth, less
@@ -32,11 +34,17 @@ class CompressionConfig:
     first_bucket_mb: float = field(default=0.0, metadata={"flags": ["--first-bucket-mb"]})
     """Size of the first bucket (the last layers' gradients, ready first); a small one starts
     communication earlier. 0 = the same as ``bucket_cap_mb``."""
-    static_graph: bool = field(default=False, metadata={"negatable": True, "flags": ["--static-graph"]})
+    static_graph: bool = field(
+        default=False, metadata={"negatable": True, "flags": ["--static-graph"]}
+    )
     """Tell DDP the set of used parameters never changes: enables its static-graph optimisations."""
-    gradient_as_bucket_view: bool = field(default=False, metadata={"negatable": True, "flags": ["--gradient-as-bucket-view"]})
+    gradient_as_bucket_view: bool = field(
+        default=False, metadata={"negatable": True, "flags": ["--gradient-as-bucket-view"]}
+    )
     """Gradients are views into DDP's buckets: saves one gradient copy of memory and a copy per step."""
-    find_unused_parameters: bool = field(default=False, metadata={"negatable": True, "flags": ["--find-unused-parameters"]})
+    find_unused_parameters: bool = field(
+        default=False, metadata={"negatable": True, "flags": ["--find-unused-parameters"]}
+    )
     """Traverse the graph each step to find parameters without gradients (costs time; needed
     only when some parameters are skipped in forward)."""
     init_sync: bool = field(default=True, metadata={"negatable": True, "flags": ["--init-sync"]})
@@ -55,7 +63,9 @@ class CompressionConfig:
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"compression.bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if self.first_bucket_mb < 0:
-            raise ValueError(f"compression.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")
+            raise ValueError(
+                f"compression.first_bucket_mb must be >= 0, got {self.first_bucket_mb}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -64,4 +74,3 @@ class CompressionConfig:
     @property
     def ef(self) -> bool | None:
         return {"default": None, "on": True, "off": False}[self.error_feedback]
-

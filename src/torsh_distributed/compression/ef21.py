@@ -46,8 +46,15 @@ class EF21(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         return self.inner.decompress(payload, ctx)
 
-    def reduce(self, tensor: torch.Tensor, comm: Comm, *, key: int = 0,
-               timer: Timer | None = None, shapes: Sequence[torch.Size] | None = None) -> torch.Tensor:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        comm: Comm,
+        *,
+        key: int = 0,
+        timer: Timer | None = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> torch.Tensor:
         timer = timer or Timer()
         g = self.mean.get(key)
         if g is None or g.shape != tensor.shape or key not in self.local:

@@ -12,11 +12,19 @@ Accounting, per step and in total: ``bytes_uncompressed`` (what this rank's link
 for DDP's fp32 ring all-reduce of the same buckets: ``2 (w - 1) / w`` times the bucket bytes),
 ``bytes_sent`` (what the method's collectives carry, counted the same way, padding and extra
 rounds included), compress/decompress seconds and communication seconds.
+
+Bucket layout: compressor state is kept per bucket (a residual is a flat tensor laid out like its
+bucket), and DDP re-buckets once, after the first iteration, in the order gradients became ready.
+The hook records which parameters each bucket holds; state saved under another layout is never
+applied to it (it is reset, with a warning). :func:`prime_buckets` makes DDP re-bucket before the
+first real step, so a run and its resumed continuation see one layout throughout.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,7 +35,14 @@ from torch import nn
 
 from torsh_distributed.compression.base import Comm, Compressor, Identity, Timer
 
-__all__ = ["CompressionHook", "StepStats", "compression_hook", "register_compression", "find_compression"]
+__all__ = [
+    "CompressionHook",
+    "StepStats",
+    "compression_hook",
+    "register_compression",
+    "find_compression",
+    "prime_buckets",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +66,14 @@ class StepStats:
         return self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else 1.0
 
     def add(self, other: StepStats) -> None:
-        for name in ("bytes_uncompressed", "bytes_sent", "compress_s", "decompress_s", "comm_s", "buckets"):
+        for name in (
+            "bytes_uncompressed",
+            "bytes_sent",
+            "compress_s",
+            "decompress_s",
+            "comm_s",
+            "buckets",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,6 +92,8 @@ class CompressionHook:
         allreduce_fn: Optional summing all-reduce replacing ``dist.all_reduce`` for summable
             payloads (``fn(tensor, group)``, in place), e.g. an algorithm of the comm layer.
         on_step: Called with the :class:`StepStats` of every finished step (monitoring).
+        positions: ``id(parameter) -> index`` in the model's parameter order; lets the hook
+            record each bucket's layout (set by :func:`register_compression`).
     """
 
     def __init__(
@@ -79,6 +103,7 @@ class CompressionHook:
         group: dist.ProcessGroup | None = None,
         allreduce_fn: Callable[[torch.Tensor, Any], None] | None = None,
         on_step: Callable[[StepStats], None] | None = None,
+        positions: dict[int, int] | None = None,
     ) -> None:
         self.compressor = compressor
         self.group = group
@@ -89,6 +114,12 @@ class CompressionHook:
         self.last_step = StepStats()
         self.total = StepStats()
         self._world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.positions = positions or {}
+        self.layouts: dict[int, tuple[int, ...]] = {}
+        """Bucket index -> indices of the parameters it holds, in bucket order."""
+        self.passthrough = False
+        """Plain all-reduce, no state and no accounting (set by :func:`prime_buckets`)."""
+        self._fresh = copy.deepcopy(compressor.state_dict())
 
     @property
     def method(self) -> str:
@@ -98,10 +129,35 @@ class CompressionHook:
         w = self._world
         return int(2 * (w - 1) / w * nbytes) if w > 1 else 0
 
+    def _check_layout(self, bucket: dist.GradBucket) -> None:
+        """Record the bucket's layout; reset the compressor's state if it changed."""
+        if not self.positions:
+            return
+        layout = tuple(self.positions.get(id(p), -1) for p in bucket.parameters())
+        known = self.layouts.get(bucket.index())
+        if known is not None and known != layout:
+            warnings.warn(
+                f"compression {self.method}: DDP's gradient bucket {bucket.index()} changed its "
+                "parameters (re-bucketing); the compressor state (residuals, factors) is reset "
+                "rather than applied to other parameters. Call prime_buckets() before training "
+                "to re-bucket first.",
+                stacklevel=3,
+            )
+            self.compressor.load_state_dict(copy.deepcopy(self._fresh))
+            self.layouts = {}
+        self.layouts[bucket.index()] = layout
+
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if self.passthrough:
+            w = self._world
+            fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0].div_(w))
+        self._check_layout(bucket)
         self.current.buckets += 1
-        self.current.bytes_uncompressed += self._uncompressed(buffer.numel() * buffer.element_size())
+        self.current.bytes_uncompressed += self._uncompressed(
+            buffer.numel() * buffer.element_size()
+        )
         if isinstance(self.compressor, Identity) and self.allreduce_fn is None:
             # DDP's own path: asynchronous, overlapped with the rest of backward.
             self.current.bytes_sent += self._uncompressed(buffer.numel() * buffer.element_size())
@@ -155,6 +211,7 @@ class CompressionHook:
             "steps": self.steps,
             "total": asdict(self.total),
             "compressor": self.compressor.state_dict(),
+            "layouts": {str(k): list(v) for k, v in self.layouts.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -166,16 +223,23 @@ class CompressionHook:
         self.steps = int(state["steps"])
         self.total = StepStats(**state["total"])
         self.compressor.load_state_dict(state["compressor"])
+        self.layouts = {
+            int(k): tuple(int(i) for i in v) for k, v in state.get("layouts", {}).items()
+        }
 
 
-def compression_hook(state: CompressionHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def compression_hook(
+    state: CompressionHook, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the mean of the bucket over ranks, compressed by ``state``."""
     return state.run(bucket)
 
 
 # torch checks the annotations of a comm hook by identity; postponed (string) annotations fail it.
 compression_hook.__annotations__ = {
-    "state": CompressionHook, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]
+    "state": CompressionHook,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
 }
 
 
@@ -194,9 +258,16 @@ def register_compression(
         TypeError: ``model`` is not a ``DistributedDataParallel``.
     """
     if not isinstance(model, nn.parallel.DistributedDataParallel):
-        raise TypeError(f"register_compression needs a DistributedDataParallel model, got {type(model).__name__}")
+        raise TypeError(
+            f"register_compression needs a DistributedDataParallel model, got {type(model).__name__}"
+        )
+    positions = {id(p): i for i, p in enumerate(model.module.parameters())}
     state = CompressionHook(
-        compressor, group=model.process_group, allreduce_fn=allreduce_fn, on_step=on_step
+        compressor,
+        group=model.process_group,
+        allreduce_fn=allreduce_fn,
+        on_step=on_step,
+        positions=positions,
     )
     model.register_comm_hook(state, compression_hook)
     setattr(model, _ATTR, state)
@@ -206,3 +277,39 @@ def register_compression(
 def find_compression(model: nn.Module) -> CompressionHook | None:
     """The :class:`CompressionHook` registered on ``model`` by :func:`register_compression`."""
     return getattr(model, _ATTR, None)
+
+
+def prime_buckets(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> bool:
+    """Make DDP re-bucket now, so training never changes the bucket layout (collective).
+
+    DDP re-buckets once, before the second forward, in the order gradients became ready in the
+    first backward. Compressor state is per bucket, so a run whose first step used the initial
+    layout and a resumed run would disagree. This runs one forward/backward of ``loss_fn`` (use
+    a tiny batch) with the compression hook passing gradients through untouched, then clears the
+    gradients; random-number state is left as it was. Every rank must call it.
+
+    Args:
+        model: The DDP model.
+        loss_fn: Returns a scalar loss computed through ``model`` (every parameter used).
+
+    Returns:
+        Whether a backward was run (``False`` when DDP does not re-bucket: buckets already
+        rebuilt, ``find_unused_parameters``, or a model that is not DDP).
+    """
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return False
+    if getattr(model, "_has_rebuilt_buckets", True) or model.find_unused_parameters:
+        return False
+    hook = find_compression(model)
+    device = next(model.parameters()).device
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        if hook is not None:
+            hook.passthrough = True
+        try:
+            loss_fn().backward()
+        finally:
+            if hook is not None:
+                hook.passthrough = False
+    model.zero_grad(set_to_none=True)
+    return True

@@ -78,8 +78,15 @@ class PowerSGD(Compressor):
 
     summable = True
 
-    def __init__(self, rank: int, *, error_feedback: bool = True, warm_start: bool = True,
-                 min_compression_rate: float = 2.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        *,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        min_compression_rate: float = 2.0,
+        seed: int = 0,
+    ) -> None:
         if rank < 1:
             raise ValueError(f"powersgd rank must be >= 1, got {rank}")
         self.rank = rank
@@ -103,19 +110,29 @@ class PowerSGD(Compressor):
 
     def _q(self, key: int, low: list) -> list[torch.Tensor]:
         qs = self.qs.get(key)
-        if not self.warm_start or qs is None or [q.shape for q in qs] != [(c, r) for _, _, c, r in low]:
+        if (
+            not self.warm_start
+            or qs is None
+            or [q.shape for q in qs] != [(c, r) for _, _, c, r in low]
+        ):
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
             qs = [torch.randn(c, r, generator=g) for _, _, c, r in low]
         return qs
 
-    def compress(self, tensor: torch.Tensor, *, key: int = 0,
-                 shapes: Sequence[torch.Size] | None = None) -> tuple[Payload, Any]:
+    def compress(
+        self, tensor: torch.Tensor, *, key: int = 0, shapes: Sequence[torch.Size] | None = None
+    ) -> tuple[Payload, Any]:
         """One rank's factors (the world-of-one case of :meth:`reduce`): ``[dense, P, Q]``."""
         flat = tensor.reshape(-1)
         low, dense = self._plan(flat.numel(), shapes)
         qs = self._q(key, low)
-        ps = [_orth(flat[o : o + n * m].view(n, m) @ q) for (o, n, m, _), q in zip(low, qs, strict=True)]
-        qs = [flat[o : o + n * m].view(n, m).t() @ p for (o, n, m, _), p in zip(low, ps, strict=True)]
+        ps = [
+            _orth(flat[o : o + n * m].view(n, m) @ q)
+            for (o, n, m, _), q in zip(low, qs, strict=True)
+        ]
+        qs = [
+            flat[o : o + n * m].view(n, m).t() @ p for (o, n, m, _), p in zip(low, ps, strict=True)
+        ]
         self.qs[key] = [q.clone() for q in qs]
         payload = [_cat([flat[o : o + k] for o, k in dense]), _cat(ps), _cat(qs)]
         return payload, (flat.numel(), low, dense)
@@ -137,8 +154,15 @@ class PowerSGD(Compressor):
             iq += cols * r
         return out
 
-    def reduce(self, tensor: torch.Tensor, comm: Comm, *, key: int = 0,
-               timer: Timer | None = None, shapes: Sequence[torch.Size] | None = None) -> torch.Tensor:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        comm: Comm,
+        *,
+        key: int = 0,
+        timer: Timer | None = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> torch.Tensor:
         timer = timer or Timer()
         w = comm.world_size
         with timer.compress:

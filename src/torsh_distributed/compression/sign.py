@@ -101,7 +101,12 @@ class Ternary(Compressor):
     def compress(self, tensor: torch.Tensor, *, key: int = 0) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1)
         s = _blocks(flat, self.block).abs().amax(dim=1).float()
-        prob = flat.abs() / s.clamp_min(torch.finfo(torch.float32).tiny).repeat_interleave(self.block)[: flat.numel()]
+        prob = (
+            flat.abs()
+            / s.clamp_min(torch.finfo(torch.float32).tiny).repeat_interleave(self.block)[
+                : flat.numel()
+            ]
+        )
         keep = torch.rand(flat.shape, generator=self.stream.next(key), dtype=flat.dtype) < prob
         codes = keep.to(torch.uint8) * torch.where(flat >= 0, 1, 2).to(torch.uint8)
         return [pack(codes, 2), s], (flat.numel(), flat.dtype)

@@ -23,8 +23,16 @@ _PLAIN = ("none", "fp16", "bf16", "int8", "sign", "ternary", "auto")
 _WITH_RATIO = ("topk", "randomk")
 # Error feedback on by default where the method is biased and the literature uses it.
 EF_DEFAULT = {
-    "none": False, "fp16": False, "bf16": False, "int8": False, "ternary": False,
-    "topk": True, "randomk": True, "threshold": True, "sign": True, "sign:vote": False,
+    "none": False,
+    "fp16": False,
+    "bf16": False,
+    "int8": False,
+    "ternary": False,
+    "topk": True,
+    "randomk": True,
+    "threshold": True,
+    "sign": True,
+    "sign:vote": False,
     "powersgd": True,
 }
 
@@ -51,7 +59,9 @@ def _number(text: str, spec: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"compression spec {spec!r}: {text!r} is not a number; expected {SPEC_HELP}") from None
+        raise ValueError(
+            f"compression spec {spec!r}: {text!r} is not a number; expected {SPEC_HELP}"
+        ) from None
 
 
 def parse_spec(spec: str) -> Spec:
@@ -66,13 +76,17 @@ def parse_spec(spec: str) -> Spec:
     kind, sep, rest = text.partition(":")
     if not sep or not rest:
         if kind in _WITH_RATIO or kind in ("threshold", "powersgd", "ef21"):
-            raise ValueError(f"compression spec {spec!r}: {kind} needs a value, e.g. {kind}:"
-                             f"{'4' if kind == 'powersgd' else 'topk:0.01' if kind == 'ef21' else '0.01'}")
+            raise ValueError(
+                f"compression spec {spec!r}: {kind} needs a value, e.g. {kind}:"
+                f"{'4' if kind == 'powersgd' else 'topk:0.01' if kind == 'ef21' else '0.01'}"
+            )
         raise ValueError(f"unknown compression spec {spec!r}; expected {SPEC_HELP}")
     if kind in _WITH_RATIO:
         ratio = _number(rest, spec)
         if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"compression spec {spec!r}: {kind} ratio must be in (0, 1], got {ratio:g}")
+            raise ValueError(
+                f"compression spec {spec!r}: {kind} ratio must be in (0, 1], got {ratio:g}"
+            )
         return Spec(kind, ratio)
     if kind == "threshold":
         value = _number(rest, spec)

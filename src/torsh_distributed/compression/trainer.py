@@ -2,7 +2,9 @@
 
 ``TrainerCompression(config)`` validates the combination (DDP only, one comm hook) and makes the
 DDP options of the ``compression`` section the defaults of :func:`apply_ddp` until
-``attach(model, base)``, which registers the compression hook on the DDP model. ``summary()``
+``attach(model, base)``, which registers the compression hook on the DDP model and makes DDP
+re-bucket before the first step (:func:`prime_buckets`: one tiny forward/backward, so compressor
+state never meets a second bucket layout, in a run or after a resume). ``summary()``
 is the ``"compression"`` entry of the run summary; ``stateful`` is the object whose
 ``state_dict()`` a checkpoint must save (residuals, PowerSGD factors, auto's decisions).
 """
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torsh_distributed.compression.hooks import CompressionHook, register_compression
+from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
 from torsh_distributed.compression.spec import build_compressor, parse_spec
 from torsh_distributed.parallel import data as ddp
 
@@ -74,7 +76,10 @@ class TrainerCompression:
             find_unused_parameters=s.find_unused_parameters,
             init_sync=s.init_sync,
         )
-        if options != ddp.DDPOptions() and getattr(getattr(config, "parallel", None), "zero_stage", 0) >= 2:
+        if (
+            options != ddp.DDPOptions()
+            and getattr(getattr(config, "parallel", None), "zero_stage", 0) >= 2
+        ):
             warnings.warn(
                 "compression.* DDP options are ignored with zero_stage >= 2 (FSDP has no DDP wrapper)",
                 stacklevel=2,
@@ -103,14 +108,23 @@ class TrainerCompression:
             stochastic_rounding=self.section.stochastic_rounding,
             seed=self.config.seed,
         )
-        self.hook = register_compression(model, compressor)
+        self.hook = hook = register_compression(model, compressor)
         observe = getattr(compressor, "observe_loss", None)
         if observe is not None:
+
             def _loss_observer(module: nn.Module, args: Any, output: Any) -> None:
-                if module.training and isinstance(output, tuple) and isinstance(output[-1], torch.Tensor):
+                if (
+                    module.training
+                    and not hook.passthrough
+                    and isinstance(output, tuple)
+                    and isinstance(output[-1], torch.Tensor)
+                ):
                     observe(float(output[-1].detach()))
 
             base.register_forward_hook(_loss_observer)
+        device = next(base.parameters()).device
+        tokens = torch.zeros((1, 2), dtype=torch.long, device=device)  # 2 tokens reach every weight
+        prime_buckets(model, lambda: model(tokens, tokens)[1])
 
     def _count_dense_steps(self, model: nn.Module, base: nn.Module) -> None:
         """``none`` installs no hook (DDP's own all-reduce); count training forwards instead."""
@@ -133,8 +147,14 @@ class TrainerCompression:
         """``{"method", "bytes_uncompressed", "bytes_sent", "ratio", "seconds", ...}`` of this rank."""
         if self.hook is None:  # none: DDP's fp32 all-reduce, bytes from the parameter count
             dense = self._dense_bytes * self._dense_steps
-            return {"method": str(parse_spec(self.section.method)), "bytes_uncompressed": dense,
-                    "bytes_sent": dense, "ratio": 1.0, "seconds": 0.0, "steps": self._dense_steps}
+            return {
+                "method": str(parse_spec(self.section.method)),
+                "bytes_uncompressed": dense,
+                "bytes_sent": dense,
+                "ratio": 1.0,
+                "seconds": 0.0,
+                "steps": self._dense_steps,
+            }
         out = self.hook.summary()
         decisions = getattr(self.hook.compressor, "decisions", None)
         if decisions:

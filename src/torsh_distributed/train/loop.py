@@ -209,6 +209,7 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
         optimizer=optimizer,
         num_train_tokens=corpus.train.numel(),
         json_state={"loss_scaler": scaler},
+        rank_state={"compression": compression.stateful},  # residuals, PowerSGD factors
     )
     start_step, losses = ckpt.resume()
     monitor = TrainerMonitor(  # per-rank metrics, report, Prometheus, dashboard, alerts

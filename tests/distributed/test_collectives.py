@@ -351,3 +351,38 @@ def test_parallel_dims_groups_probe_and_merged_trace(tmp_path):
     # aligned: the same collective starts within a second on every rank
     firsts = [min(e["ts"] for e in x if e["pid"] == p) for p in range(4)]
     assert max(firsts) - min(firsts) < 1e6
+
+
+def _bench_rows() -> list[dict]:
+    from torsh_distributed.cli.bench import run_bench
+
+    return run_bench(
+        ops=["all_reduce", "all_gather"],
+        sizes=[4096],
+        impls=["torch", "torsh", "ring"],
+        iters=3,
+        warmup=1,
+        rounds=2,
+    )
+
+
+def test_bench_rows_on_two_ranks():
+    """`torsh-dist bench collectives` rows: same on every rank, every field, paired ratios."""
+    rows0, rows1 = run_distributed(_bench_rows, 2, timeout=120)
+    assert rows0 == rows1, "ranks must agree on the table (times are maxima over ranks)"
+    keys = {(r["op"], r["impl"]) for r in rows0}
+    assert keys == {
+        ("all_reduce", "torch"),
+        ("all_reduce", "torsh"),
+        ("all_reduce", "ring"),
+        ("all_gather", "torch"),
+        ("all_gather", "torsh"),
+    }  # ring is all-reduce only
+    for r in rows0:
+        assert r["calls"] == 6 and r["time_us"] > 0 and r["size"] == 4096
+        assert r["busbw_GBps"] == pytest.approx(
+            r["algbw_GBps"] * (1.0 if r["op"] == "all_reduce" else 0.5), rel=1e-9
+        )
+        assert r["paired_vs_torch"] > 0
+        if r["impl"] == "torch":
+            assert r["paired_vs_torch"] == 1.0

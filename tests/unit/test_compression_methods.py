@@ -99,6 +99,29 @@ def test_topk_keeps_the_largest_exactly(x, ratio):
     assert torch.all(x[~kept].abs() <= smallest_kept)
 
 
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.2])
+@pytest.mark.parametrize("kind", ["normal", "heavy_tail", "ties", "block"])
+def test_top_indices_selects_what_torch_topk_selects_on_large_buckets(kind, ratio):
+    from torsh_distributed.compression.sparsify import top_indices
+
+    n = 600_000
+    g = torch.Generator().manual_seed(7)
+    x = {
+        "normal": lambda: torch.randn(n, generator=g),
+        "heavy_tail": lambda: torch.randn(n, generator=g) ** 5,
+        "ties": lambda: torch.randint(0, 4, (n,), generator=g).float(),
+        # the large entries sit in one block the strided sample barely sees: the fallback path
+        "block": lambda: torch.cat([torch.zeros(n - n // 50), 1 + torch.rand(n // 50, generator=g)]),
+    }[kind]().abs()
+    k = math.ceil(ratio * n)
+    idx = top_indices(x, k)
+    ref = torch.topk(x, k, sorted=False)
+    assert idx.numel() == k and idx.unique().numel() == k
+    assert torch.equal(x[idx].sort().values, ref.values.sort().values)
+    if kind in ("normal", "heavy_tail"):  # no ties: the very same entries
+        assert torch.equal(idx.sort().values, ref.indices.sort().values)
+
+
 @SETTINGS
 @given(vectors, st.floats(0.01, 1.0), seeds)
 def test_randomk_sends_exact_values_at_shared_indices(x, ratio, seed):

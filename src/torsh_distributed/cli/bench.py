@@ -2,11 +2,14 @@
 
 Launches itself on ``--nproc`` local ranks through :func:`torsh_distributed.elastic.launch.launch`
 (like ``torsh-dist train``); each rank runs :func:`run_bench`. Per op, size and implementation the
-table shows size, element count, dtype, time (the slowest rank's median call), ``algbw = size / time`` and
-``busbw = algbw * factor`` with nccl-tests' factors (all-reduce ``2 (n - 1) / n``, all-gather,
-reduce-scatter and all-to-all ``(n - 1) / n``, broadcast and reduce ``1``). Implementations are run
-interleaved call by call, each timed from a barrier; the median call is kept, so every
-implementation sees the same machine noise and bursts do not count.
+table shows size, element count, dtype, time (the median over calls of the slowest rank's
+duration), ``algbw = size / time`` and ``busbw = algbw * factor`` with nccl-tests' factors
+(all-reduce ``2 (n - 1) / n``, all-gather, reduce-scatter and all-to-all ``(n - 1) / n``, broadcast
+and reduce ``1``). Implementations are run interleaved call by call, each timed from a barrier;
+the median call is kept, so every implementation sees the same machine noise and bursts do not
+count. ``vs torch`` is the busbw ratio of those medians; ``paired`` is the median over iterations
+of ``t_torch / t_impl`` for the calls of one iteration (made back to back), the estimate that
+machine load drifting during the run disturbs least.
 
 Implementations: ``torch`` (raw ``torch.distributed``), ``torsh`` (the facade, backend's algorithm),
 ``ring``, ``tree``, ``hierarchical`` (facade with that algorithm; only ops that have it) and
@@ -175,15 +178,23 @@ def run_bench(
                     t0 = time.perf_counter()
                     calls[impl]()
                     durations[impl].append(time.perf_counter() - t0)
-            medians = torch.tensor(
-                [statistics.median(durations[i]) for i in usable], dtype=torch.float64
-            )
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-            best = dict(zip(usable, medians.tolist(), strict=True))
+            # A call lasts as long as its slowest rank: per call, the maximum over ranks.
+            mine = torch.tensor([durations[i] for i in usable], dtype=torch.float64)
+            every = [torch.empty_like(mine) for _ in range(n)]
+            dist.all_gather(every, mine)
+            calls_t = torch.stack(every).amax(dim=0)  # impl x call
+            times = dict(zip(usable, calls_t.tolist(), strict=True))
             for impl in usable:
                 nbytes = (per * n if op in ("all_gather", "reduce_scatter") else per) * 4
-                t = best[impl]
+                t = statistics.median(times[impl])
                 algbw = nbytes / t
+                paired = (
+                    statistics.median(
+                        a / b for a, b in zip(times["torch"], times[impl], strict=True)
+                    )
+                    if "torch" in times
+                    else None
+                )
                 rows.append(
                     {
                         "op": op,
@@ -197,6 +208,8 @@ def run_bench(
                         "time_us": t * 1e6,
                         "algbw_GBps": algbw / 1e9,
                         "busbw_GBps": algbw * busbw_factor(op, n) / 1e9,
+                        "paired_vs_torch": paired,
+                        "calls": len(times[impl]),
                     }
                 )
     return rows
@@ -206,12 +219,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of ``rows`` with the busbw ratio to ``torch`` of the same op and size."""
     ref = {(r["op"], r["size"]): r["busbw_GBps"] for r in rows if r["impl"] == "torch"}
     lines = [
-        "| op | impl | algorithm | size (B) | count | dtype | time (us) | algbw (GB/s) | busbw (GB/s) | vs torch |",
-        "|---|---|---|---:|---:|---|---:|---:|---:|---:|",
+        "| op | impl | algorithm | size (B) | count | dtype | time (us) | algbw (GB/s) | busbw (GB/s) "
+        "| vs torch | paired |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = ref.get((r["op"], r["size"]))
         ratio = f"{r['busbw_GBps'] / base:.3f}" if base else "-"
+        paired = r.get("paired_vs_torch")
+        ratio += f" | {paired:.3f}" if paired is not None else " | -"
         lines.append(
             f"| {r['op']} | {r['impl']} | {r['algorithm']} | {r['size']} | {r['count']} | {r['dtype']} | "
             f"{r['time_us']:.1f} | {r['algbw_GBps']:.4f} | {r['busbw_GBps']:.4f} | {ratio} |"

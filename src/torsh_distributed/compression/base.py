@@ -178,6 +178,11 @@ class Compressor(ABC):
         with timer.decompress:
             return self.combine([self.decompress(p, ctx) for p in gathered])
 
+    def unsent(self, tensor: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        """``tensor - decompress(payload, ctx)``: what compression dropped (error feedback's
+        residual). May reuse ``tensor``'s memory; sparse methods subtract in place."""
+        return tensor - self.decompress(payload, ctx)
+
     def take_residual(self, key: int) -> torch.Tensor | None:
         """Remove and return the error-feedback residual of bucket ``key`` (None if there is none).
 
@@ -257,7 +262,7 @@ class ErrorFeedback(Compressor):
             residual = None  # the bucket was rebuilt (DDP's first-iteration rebucketing)
         corrected = tensor + residual if residual is not None else tensor.clone()
         payload, ctx = self.inner.compress(corrected, key=key)
-        self.residuals[key] = corrected - self.inner.decompress(payload, ctx)
+        self.residuals[key] = self.inner.unsent(corrected, payload, ctx)
         return payload, ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:

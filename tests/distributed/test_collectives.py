@@ -386,3 +386,26 @@ def test_bench_rows_on_two_ranks():
         assert r["paired_vs_torch"] > 0
         if r["impl"] == "torch":
             assert r["paired_vs_torch"] == 1.0
+
+
+def _peer_never_arrives() -> str:
+    import time
+    from datetime import timedelta
+
+    from torsh_distributed.runtime.errors import DistributedTimeoutError
+
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    if dist.get_rank() == 1:
+        time.sleep(4)  # never joins; rank 0 times out meanwhile
+        return "skipped"
+    try:
+        C.all_reduce(torch.ones(4), group=group)  # the direct (plain) path
+    except DistributedTimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_facade_reports_a_torch_timeout_as_distributed_timeout_error():
+    message, _ = run_distributed(_peer_never_arrives, 2, timeout=60)
+    assert "all_reduce on" in message and "timed out" in message, message
+    assert "TORSH_COMM_DEBUG=1" in message

@@ -115,6 +115,41 @@ def _env_debug() -> None:
         )
 
 
+def plain() -> bool:
+    """Neither debug mode nor the profiler is on: a call may go straight to torch (:func:`direct`)."""
+    if _ENV_DEBUG[0]:
+        _env_debug()
+    return not _debug.enabled() and _profiler.active() is None
+
+
+def _timeout_error(exc: RuntimeError, op_name: str, group: dist.ProcessGroup | None) -> Exception:
+    """``DistributedTimeoutError`` for a torch timeout, else ``exc`` itself."""
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return DistributedTimeoutError(
+            f"{op_name} on {group_name(group)} timed out: {text.splitlines()[0]}",
+            rank=dist.get_rank(),
+            operation=op_name,
+            fix="a peer never arrived; rerun with TORSH_COMM_DEBUG=1 for a who-is-missing report.",
+        )
+    return exc
+
+
+def direct(
+    op_name: str, fn: Callable[..., Any], *args: Any, group: Any = None, async_op: bool = False
+) -> Work | None:
+    """The hot path when :func:`plain`: call torch's ``fn`` with no bookkeeping (only timeout
+    translation), so the facade costs a few microseconds over raw torch per call."""
+    try:
+        handle = fn(*args, group=group, async_op=async_op)
+    except RuntimeError as exc:
+        error = _timeout_error(exc, op_name, group)
+        if error is exc:
+            raise
+        raise error from exc
+    return Work(handle) if async_op else None
+
+
 def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if t is None else tuple(t.shape)
 
@@ -151,15 +186,10 @@ def _run(
     try:
         handle = body()
     except RuntimeError as exc:
-        text = str(exc)
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            raise DistributedTimeoutError(
-                f"{op_name} on {group_name(group)} timed out: {text.splitlines()[0]}",
-                rank=dist.get_rank(),
-                operation=op_name,
-                fix="a peer never arrived; rerun with TORSH_COMM_DEBUG=1 for a who-is-missing report.",
-            ) from exc
-        raise
+        error = _timeout_error(exc, op_name, group)
+        if error is exc:
+            raise
+        raise error from exc
 
     if finish is None and prof is None:
         if async_op:

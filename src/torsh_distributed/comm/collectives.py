@@ -34,6 +34,8 @@ from torsh_distributed.comm._facade import (
     _shape,
     _size,
     default_cost_model,
+    direct,
+    plain,
     resolve_algorithm,
 )
 from torsh_distributed.comm.algorithms import (
@@ -81,6 +83,9 @@ __all__ = [
 ]
 
 P2POp = dist.P2POp
+# torch >= 2.10 names them *_single (the *_tensor names warn there)
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # -- reductions ---------------------------------------------------------------------------------
@@ -93,6 +98,8 @@ def all_reduce(
     algorithm: str = "torch",
 ) -> Work | None:
     """Reduce ``tensor`` across ``group`` in place on every rank."""
+    if op is ReduceOp.SUM and algorithm == "torch" and plain():
+        return direct("all_reduce", dist.all_reduce, tensor, group=group, async_op=async_op)
     rop = ReduceOp.parse(op)
     check_dtype(rop, tensor.dtype)
     algo = resolve_algorithm(algorithm, "all_reduce", _nbytes(tensor), group)
@@ -173,6 +180,8 @@ def broadcast(
     algorithm: str = "torch",
 ) -> Work | None:
     """Copy ``tensor`` of global rank ``src`` to every rank of ``group``."""
+    if algorithm == "torch" and plain():
+        return direct("broadcast", dist.broadcast, tensor, src, group=group, async_op=async_op)
     algo = resolve_algorithm(algorithm, "broadcast", _nbytes(tensor), group)
     if algo in ("ring", "hierarchical"):
         algo = "tree"  # a pipelined ring broadcast is not implemented: the tree is our p2p one
@@ -208,6 +217,8 @@ def reduce(
     algorithm: str = "torch",
 ) -> Work | None:
     """Reduce ``tensor`` of every rank into ``tensor`` on global rank ``dst``."""
+    if op is ReduceOp.SUM and algorithm == "torch" and plain():
+        return direct("reduce", dist.reduce, tensor, dst, group=group, async_op=async_op)
     rop = ReduceOp.parse(op)
     check_dtype(rop, tensor.dtype)
     algo = resolve_algorithm(algorithm, "reduce", _nbytes(tensor), group)
@@ -282,10 +293,12 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """Like :func:`reduce_scatter` with ``input`` the concatenation of the per-rank inputs."""
+    fn = _REDUCE_SCATTER_SINGLE
+    if op is ReduceOp.SUM and plain():
+        return direct("reduce_scatter_tensor", fn, output, input, group=group, async_op=async_op)
     rop = ReduceOp.parse(op)
     check_dtype(rop, output.dtype)
     native = _native_avg(group)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     finish = _mean_finisher(output, rop, group, native)
     return _run(
         "reduce_scatter_tensor",
@@ -311,6 +324,10 @@ def all_gather(
     async_op: bool = False,
 ) -> Work | None:
     """Gather ``tensor`` of every rank into ``tensor_list`` on every rank."""
+    if plain():
+        return direct(
+            "all_gather", dist.all_gather, tensor_list, tensor, group=group, async_op=async_op
+        )
     return _run(
         "all_gather",
         lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
@@ -330,7 +347,9 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """Gather ``input`` of every rank, concatenated along dim 0, into ``output``."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn = _ALL_GATHER_SINGLE
+    if plain():
+        return direct("all_gather_into_tensor", fn, output, input, group=group, async_op=async_op)
     return _run(
         "all_gather_into_tensor",
         lambda: fn(output, input, group=group, async_op=async_op),
@@ -412,6 +431,17 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Work | None:
     """All-to-all of one tensor split along dim 0 (evenly, or by the given split sizes)."""
+    if plain():
+        return direct(
+            "all_to_all_single",
+            dist.all_to_all_single,
+            output,
+            input,
+            output_split_sizes,
+            input_split_sizes,
+            group=group,
+            async_op=async_op,
+        )
     even = output_split_sizes is None and input_split_sizes is None
     return _run(
         "all_to_all_single",

@@ -28,7 +28,13 @@ from torch import nn
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.parallel.pipeline import build_pipeline, check_pipeline
 from torsh_distributed.parallel.sharded import apply_fsdp
-from torsh_distributed.parallel.tensor import apply_tp, check_tp, clip_grad_norm_, sync_grads
+from torsh_distributed.parallel.tensor import (
+    apply_tp,
+    check_tp,
+    clip_grad_norm_,
+    reduce_partial_grads,
+    sync_grads,
+)
 
 if TYPE_CHECKING:
     from torsh_distributed.runtime import world
@@ -53,7 +59,14 @@ def check_model_parallel(config: TrainConfig, world_size: int) -> ParallelDims:
         dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, world_size=world_size)
     except ValueError as exc:
         raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
-    check_tp(tp=dims.tp, n_head=model.n_head, d_model=model.d_model, vocab_size=model.vocab_size)
+    check_tp(
+        tp=dims.tp,
+        n_head=model.n_head,
+        d_model=model.d_model,
+        vocab_size=model.vocab_size,
+        sequence_parallel=par.sequence_parallel,
+        block_size=model.block_size,
+    )
     per_dp = config.check_world(dims.dp)
     if par.zero_stage and dims.dp < 2:
         raise ValueError(
@@ -108,7 +121,9 @@ def train_model_parallel(
 
     def shard(module: nn.Module, *, loss_parallel: bool = False) -> nn.Module:
         # order: TP first (FSDP2 then shards the TP DTensors over dp: a 2-D dp x tp layout)
-        apply_tp(module, tp_mesh, loss_parallel=loss_parallel)
+        apply_tp(
+            module, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=par.sequence_parallel
+        )
         if fsdp:
             apply_fsdp(
                 module,
@@ -202,6 +217,8 @@ def train_model_parallel(
         x, y = sample_batch(corpus.train, seed=config.seed, step=step, **batch)
         optimizer.zero_grad(set_to_none=True)
         global_loss = run(x, y, train=True)
+        if dims.tp > 1:  # sequence-parallel norms' Partial gradients: one all-reduce over tp
+            reduce_partial_grads(params)
         if not fsdp:  # FSDP2 reduce-scatters (averages) the gradients over dp itself
             sync_grads(params, dp_group, dims.dp)
         if config.optim.grad_clip:

@@ -101,6 +101,14 @@ class ParallelConfig:
     bubble but make each micro-batch smaller."""
     virtual_stages: int = field(default=1, metadata={"flags": ["--virtual-stages"]})
     """Pipeline stages per rank (``interleaved`` only)."""
+    sequence_parallel: bool = field(
+        default=False, metadata={"flags": ["--sequence-parallel"], "negatable": True}
+    )
+    """Megatron-SP on top of ``tp > 1``: the residual stream, norms and dropouts between the
+    tensor-parallel regions hold ``block_size / tp`` positions per rank, so the activations they
+    save (norm inputs, dropout masks) take ``tp`` times less memory; each sub-layer all-gathers
+    its input and reduce-scatters its output over the sequence instead of one all-reduce (the
+    same volume, twice the collectives). Needs ``tp`` to divide ``model.block_size``."""
 
     @property
     def num_microbatches(self) -> int:
@@ -180,6 +188,11 @@ class ParallelConfig:
         if self.pp_schedule not in _PP_SCHEDULES:
             raise ValueError(
                 f"parallel.pp_schedule must be one of {', '.join(_PP_SCHEDULES)}; got {self.pp_schedule!r}"
+            )
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError(
+                f"parallel.sequence_parallel needs parallel.tp > 1 (it shards the sequence over "
+                f"the tp axis); got tp={self.tp}"
             )
         if self.model_parallel and (self.zero_stage == 1 or self.checkpoint_every or self.meta_init):
             raise ValueError(

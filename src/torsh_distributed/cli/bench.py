@@ -11,7 +11,9 @@ count. ``vs torch`` is the busbw ratio of those medians; ``paired`` is the media
 of ``t_torch / t_impl`` for the calls of one iteration (made back to back), the estimate that
 machine load drifting during the run disturbs least.
 
-Implementations: ``torch`` (raw ``torch.distributed``), ``torsh`` (the facade, backend's algorithm),
+Implementations: ``torch`` (raw ``torch.distributed``), ``torch2`` (raw torch again, on buffers
+of its own: an A/A control whose ratio to ``torch`` is the noise floor of the measurement on this
+machine), ``torsh`` (the facade, backend's algorithm),
 ``ring``, ``tree``, ``hierarchical`` (facade with that algorithm; only ops that have it) and
 ``auto`` (facade, cost model after a link probe; the JSON names the algorithm it chose).
 """
@@ -31,7 +33,7 @@ from typing import Any
 __all__ = ["register", "parse_size", "run_bench", "main", "OPS", "IMPLS"]
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
-IMPLS = ("torch", "torsh", "ring", "tree", "hierarchical", "auto")
+IMPLS = ("torch", "torch2", "torsh", "ring", "tree", "hierarchical", "auto")
 _ALGO_OPS = {
     "ring": {"all_reduce"},
     "tree": {"all_reduce", "broadcast", "reduce"},
@@ -99,8 +101,8 @@ def _op_call(op: str, impl: str, buf: Any, out: Any, n: int) -> Any:
 
     from torsh_distributed.comm import collectives as C
 
-    raw = impl == "torch"
-    algo = "torch" if impl in ("torch", "torsh") else impl
+    raw = impl in ("torch", "torch2")
+    algo = "torch" if impl in ("torch", "torch2", "torsh") else impl
     if op == "all_reduce":
         return (
             (lambda: dist.all_reduce(buf)) if raw else (lambda: C.all_reduce(buf, algorithm=algo))
@@ -148,7 +150,7 @@ def run_bench(
             per = max(count // n, 1) if op in ("all_gather", "reduce_scatter") else count
             if op == "all_to_all":
                 per = count // n * n or n
-            usable = [i for i in impls if i in ("torch", "torsh") or op in _ALGO_OPS[i]]
+            usable = [i for i in impls if i in ("torch", "torch2", "torsh") or op in _ALGO_OPS[i]]
             if "hierarchical" in usable and not dims.hierarchical:
                 usable.remove("hierarchical")
                 if dist.get_rank() == 0 and op == ops[0] and size == sizes[0]:

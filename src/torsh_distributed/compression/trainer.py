@@ -133,7 +133,12 @@ class TrainerCompression:
         self._dense_bytes = int(2 * (world - 1) / world * numel)
 
         def _count(module: nn.Module, args: Any, output: Any) -> None:
-            if module.training and torch.is_grad_enabled():
+            # one exchange per step: forwards under no_sync (--grad-accum) send nothing
+            if (
+                module.training
+                and torch.is_grad_enabled()
+                and getattr(model, "require_backward_grad_sync", True)
+            ):
                 self._dense_steps += 1
 
         base.register_forward_hook(_count)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DDPOptions", "apply_ddp", "ddp_options", "unwrap"]
+__all__ = ["DDPOptions", "apply_ddp", "ddp_options", "no_grad_sync", "unwrap"]
 
 _DDP_HAS_FORWARD_SYNC = (
     "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -118,6 +118,29 @@ def apply_ddp(
         **{buffers_kw: opts.broadcast_buffers},
         **extra,
     )
+
+
+@contextmanager
+def no_grad_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate gradients locally, without exchanging them.
+
+    DDP's ``no_sync()``; FSDP2 with ``set_requires_gradient_sync(False)`` (its gradients stay
+    unsharded until the synchronising backward); a model that exchanges nothing is left alone.
+    The first backward after the block exchanges the sum of everything accumulated.
+    """
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is None:
+        yield
+        return
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

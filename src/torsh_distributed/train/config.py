@@ -123,6 +123,11 @@ class TrainConfig:
     """Optimizer steps to run."""
     batch_size: int = 32
     """Global batch (sequences per step), split evenly across data-parallel ranks."""
+    grad_accum: int = 1
+    """Split each rank's share of the global batch into N micro-batches whose gradients are
+    accumulated locally and exchanged once per step (DDP ``no_sync``; FSDP without gradient sync):
+    the same global batch and step as N = 1, with about 1/N of the activation memory. Data
+    parallelism only (pipelines have ``--microbatches``)."""
     seed: int = 1234
     """Seed for initialisation and for the sample order (the same at every world size)."""
     eval_every: int = 0
@@ -141,7 +146,7 @@ class TrainConfig:
     """Write the end-of-run summary as JSON to this file (rank 0); empty = do not write."""
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "eval_batches", "log_every"):
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
@@ -157,7 +162,13 @@ class TrainConfig:
                 f"batch_size {self.batch_size} (global) is not divisible by the {dp_size} "
                 f"data-parallel ranks; choose a multiple of {dp_size}"
             )
-        return self.batch_size // dp_size
+        per_rank = self.batch_size // dp_size
+        if per_rank % self.grad_accum:
+            raise ValueError(
+                f"grad_accum {self.grad_accum} must divide the per-rank batch {per_rank} "
+                f"(batch_size {self.batch_size} / {dp_size} ranks)"
+            )
+        return per_rank
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

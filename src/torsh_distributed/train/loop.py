@@ -30,6 +30,7 @@ from torsh_distributed.comm.trainer import TrainerComm
 from torsh_distributed.compression.trainer import TrainerCompression
 from torsh_distributed.monitor.trainer import TrainerMonitor
 from torsh_distributed.parallel._trainer_memory import TrainerMemory, for_table
+from torsh_distributed.parallel.data import no_grad_sync
 from torsh_distributed.parallel.parallelize import build_parallel_model
 from torsh_distributed.parallel.precision import LossScaler  # fp16 loss scaling
 from torsh_distributed.parallel.sharded import shard_optimizer
@@ -106,6 +107,24 @@ def _optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimi
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(0.9, 0.95), foreach=True)
 
 
+def _accumulate(
+    model: torch.nn.Module, scaler: LossScaler, x: torch.Tensor, y: torch.Tensor, parts: int
+) -> torch.Tensor:
+    """Forward/backward ``parts`` equal micro-batches, exchanging gradients only after the last;
+    returns the mean loss (the loss of the whole batch)."""
+    total = torch.zeros((), device=x.device)
+    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
+        if i < parts - 1:
+            with no_grad_sync(model):
+                _, loss = model(xs, ys)
+                scaler.backward(loss / parts)
+        else:
+            _, loss = model(xs, ys)
+            scaler.backward(loss / parts)
+        total += loss.detach()
+    return total / parts
+
+
 def _mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
     """Average a scalar over ranks (Gloo has no AVG: sum then divide)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -171,6 +190,11 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
         )
 
         check_model_parallel(config, size)
+        if config.parallel.model_parallel and config.grad_accum > 1:
+            raise ValueError(
+                f"--grad-accum {config.grad_accum} applies to data parallelism; with --tp/--pp "
+                "use --microbatches (pipeline micro-batches) instead"
+            )
         if config.parallel.model_parallel:
             _set_threads(config)
             corpus = load_corpus(config.data, min_tokens=config.model.block_size + 2)
@@ -236,10 +260,14 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
             num_ranks=size,
         )
         monitor.phase("data")
-        _, loss = model(x.to(device), y.to(device))
-        monitor.phase("forward")
-        optimizer.zero_grad(set_to_none=True)
-        scaler.backward(loss)  # loss.backward(), scaled for fp16
+        if config.grad_accum == 1:
+            _, loss = model(x.to(device), y.to(device))
+            monitor.phase("forward")
+            optimizer.zero_grad(set_to_none=True)
+            scaler.backward(loss)  # loss.backward(), scaled for fp16
+        else:  # forward and backward interleave: both count as "backward" in the monitor
+            optimizer.zero_grad(set_to_none=True)
+            loss = _accumulate(model, scaler, x.to(device), y.to(device), config.grad_accum)
         monitor.phase("backward")
         grad_norm = None  # reported by --monitor when clipping computes it
         scaler.unscale(optimizer)  # fp16: true gradients before clipping

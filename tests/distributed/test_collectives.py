@@ -385,6 +385,41 @@ def test_bench_rows_on_two_ranks():
             assert r["paired_vs_torch"] == 1.0
 
 
+def _hot_path_follows_debug_and_profiler() -> dict:
+    from torsh_distributed.comm import debug
+    from torsh_distributed.comm._hot import HOT
+
+    t, seen = torch.ones(8), {}
+    C.all_reduce(t)
+    C.broadcast(t, 0)
+    seen["hot"] = HOT[0]
+    prof = profiler.enable()
+    seen["hot_profiling"] = HOT[0]
+    C.all_reduce(t)
+    C.broadcast(t, 0)
+    seen["recorded"] = [e.op for e in prof.events]
+    profiler.disable()
+    C.all_reduce(t)
+    seen["hot_again"] = HOT[0]
+    seen["after_disable"] = len(prof.events)
+    debug.enable(timeout=30)
+    C.all_reduce(t)
+    seen["fingerprinted"] = sum(debug._STATE.seq.values())
+    debug.disable()
+    C.broadcast(t, 0)
+    seen["hot_last"] = HOT[0]
+    return seen
+
+
+def test_hot_path_is_left_while_debug_or_profiler_is_on():
+    for seen in run_distributed(_hot_path_follows_debug_and_profiler, 2, timeout=60):
+        assert seen["hot"] and seen["hot_again"] and seen["hot_last"]
+        assert not seen["hot_profiling"]
+        assert seen["recorded"] == ["all_reduce", "broadcast"]
+        assert seen["after_disable"] == 2
+        assert seen["fingerprinted"] == 1
+
+
 def _peer_never_arrives() -> str:
     import time
     from datetime import timedelta

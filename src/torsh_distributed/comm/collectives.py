@@ -34,10 +34,11 @@ from torsh_distributed.comm._facade import (
     _shape,
     _size,
     default_cost_model,
-    direct,
     plain,
+    reraise,
     resolve_algorithm,
 )
+from torsh_distributed.comm._hot import HOT as _HOT
 from torsh_distributed.comm.algorithms import (
     ALGORITHMS,
     bucketed_all_reduce,
@@ -98,8 +99,12 @@ def all_reduce(
     algorithm: str = "torch",
 ) -> Work | None:
     """Reduce ``tensor`` across ``group`` in place on every rank."""
-    if op is ReduceOp.SUM and algorithm == "torch" and plain():
-        return direct("all_reduce", dist.all_reduce, tensor, group=group, async_op=async_op)
+    if op is ReduceOp.SUM and algorithm == "torch" and (_HOT[0] or plain()):
+        try:
+            handle = dist.all_reduce(tensor, group=group, async_op=async_op)
+        except RuntimeError as exc:
+            reraise(exc, "all_reduce", group)
+        return Work(handle) if async_op else None
     rop = ReduceOp.parse(op)
     check_dtype(rop, tensor.dtype)
     algo = resolve_algorithm(algorithm, "all_reduce", _nbytes(tensor), group)
@@ -180,8 +185,12 @@ def broadcast(
     algorithm: str = "torch",
 ) -> Work | None:
     """Copy ``tensor`` of global rank ``src`` to every rank of ``group``."""
-    if algorithm == "torch" and plain():
-        return direct("broadcast", dist.broadcast, tensor, src, group=group, async_op=async_op)
+    if algorithm == "torch" and (_HOT[0] or plain()):
+        try:
+            handle = dist.broadcast(tensor, src, group=group, async_op=async_op)
+        except RuntimeError as exc:
+            reraise(exc, "broadcast", group)
+        return Work(handle) if async_op else None
     algo = resolve_algorithm(algorithm, "broadcast", _nbytes(tensor), group)
     if algo in ("ring", "hierarchical"):
         algo = "tree"  # a pipelined ring broadcast is not implemented: the tree is our p2p one
@@ -217,8 +226,12 @@ def reduce(
     algorithm: str = "torch",
 ) -> Work | None:
     """Reduce ``tensor`` of every rank into ``tensor`` on global rank ``dst``."""
-    if op is ReduceOp.SUM and algorithm == "torch" and plain():
-        return direct("reduce", dist.reduce, tensor, dst, group=group, async_op=async_op)
+    if op is ReduceOp.SUM and algorithm == "torch" and (_HOT[0] or plain()):
+        try:
+            handle = dist.reduce(tensor, dst, group=group, async_op=async_op)
+        except RuntimeError as exc:
+            reraise(exc, "reduce", group)
+        return Work(handle) if async_op else None
     rop = ReduceOp.parse(op)
     check_dtype(rop, tensor.dtype)
     algo = resolve_algorithm(algorithm, "reduce", _nbytes(tensor), group)
@@ -294,8 +307,12 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Like :func:`reduce_scatter` with ``input`` the concatenation of the per-rank inputs."""
     fn = _REDUCE_SCATTER_SINGLE
-    if op is ReduceOp.SUM and plain():
-        return direct("reduce_scatter_tensor", fn, output, input, group=group, async_op=async_op)
+    if op is ReduceOp.SUM and (_HOT[0] or plain()):
+        try:
+            handle = fn(output, input, group=group, async_op=async_op)
+        except RuntimeError as exc:
+            reraise(exc, "reduce_scatter_tensor", group)
+        return Work(handle) if async_op else None
     rop = ReduceOp.parse(op)
     check_dtype(rop, output.dtype)
     native = _native_avg(group)
@@ -324,10 +341,12 @@ def all_gather(
     async_op: bool = False,
 ) -> Work | None:
     """Gather ``tensor`` of every rank into ``tensor_list`` on every rank."""
-    if plain():
-        return direct(
-            "all_gather", dist.all_gather, tensor_list, tensor, group=group, async_op=async_op
-        )
+    if _HOT[0] or plain():
+        try:
+            handle = dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        except RuntimeError as exc:
+            reraise(exc, "all_gather", group)
+        return Work(handle) if async_op else None
     return _run(
         "all_gather",
         lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
@@ -348,8 +367,12 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Gather ``input`` of every rank, concatenated along dim 0, into ``output``."""
     fn = _ALL_GATHER_SINGLE
-    if plain():
-        return direct("all_gather_into_tensor", fn, output, input, group=group, async_op=async_op)
+    if _HOT[0] or plain():
+        try:
+            handle = fn(output, input, group=group, async_op=async_op)
+        except RuntimeError as exc:
+            reraise(exc, "all_gather_into_tensor", group)
+        return Work(handle) if async_op else None
     return _run(
         "all_gather_into_tensor",
         lambda: fn(output, input, group=group, async_op=async_op),
@@ -431,17 +454,14 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Work | None:
     """All-to-all of one tensor split along dim 0 (evenly, or by the given split sizes)."""
-    if plain():
-        return direct(
-            "all_to_all_single",
-            dist.all_to_all_single,
-            output,
-            input,
-            output_split_sizes,
-            input_split_sizes,
-            group=group,
-            async_op=async_op,
-        )
+    if _HOT[0] or plain():
+        try:
+            handle = dist.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+            )
+        except RuntimeError as exc:
+            reraise(exc, "all_to_all_single", group)
+        return Work(handle) if async_op else None
     even = output_split_sizes is None and input_split_sizes is None
     return _run(
         "all_to_all_single",

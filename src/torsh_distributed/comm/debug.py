@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from torsh_distributed.comm import _hot
 from torsh_distributed.runtime.errors import CommunicationError, DistributedTimeoutError
 
 __all__ = [
@@ -129,12 +130,14 @@ def enable(
     )
     state.watcher.start()
     _STATE = state
+    _hot.invalidate()
 
 
 def disable() -> None:
     """Turn diagnosis off (stops the stack watcher)."""
     global _STATE
     state, _STATE = _STATE, None
+    _hot.invalidate()
     if state is not None:
         state.stop.set()
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torsh_distributed.comm import _hot
+
 __all__ = [
     "Event",
     "Profiler",
@@ -160,6 +162,7 @@ def enable() -> Profiler:
     global _ACTIVE
     if _ACTIVE is None:
         _ACTIVE = Profiler()
+        _hot.invalidate()
     return _ACTIVE
 
 
@@ -167,6 +170,7 @@ def disable() -> Profiler | None:
     """Stop recording; returns what was recorded."""
     global _ACTIVE
     prof, _ACTIVE = _ACTIVE, None
+    _hot.invalidate()
     return prof
 
 

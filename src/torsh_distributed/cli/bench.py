@@ -6,15 +6,14 @@ table shows size, element count, dtype, time (the median over calls of the slowe
 duration), ``algbw = size / time`` and ``busbw = algbw * factor`` with nccl-tests' factors
 (all-reduce ``2 (n - 1) / n``, all-gather, reduce-scatter and all-to-all ``(n - 1) / n``, broadcast
 and reduce ``1``). Implementations are run interleaved call by call in a fresh random order per
-iteration (the same on every rank), each timed from a barrier;
-the median call is kept, so every implementation sees the same machine noise and bursts do not
-count. ``vs torch`` is the busbw ratio of those medians; ``paired`` is the median over iterations
+iteration (the same on every rank), on the same buffers, each timed from a barrier; the median
+call is kept, so every implementation sees the same machine noise and bursts do not count. ``vs torch`` is the busbw ratio of those medians; ``paired`` is the median over iterations
 of ``t_torch / t_impl`` for the calls of one iteration (made back to back), the estimate that
 machine load drifting during the run disturbs least.
 
-Implementations: ``torch`` (raw ``torch.distributed``), ``torch2`` (raw torch again, on buffers
-of its own: an A/A control whose ratio to ``torch`` is the noise floor of the measurement on this
-machine), ``torsh`` (the facade, backend's algorithm),
+Implementations: ``torch`` (raw ``torch.distributed``), ``torch2`` (raw torch again: an A/A
+control whose ratio to ``torch`` is the noise floor of the measurement on this machine), ``torsh``
+(the facade, backend's algorithm, called as a user would: without the ``algorithm`` argument),
 ``ring``, ``tree``, ``hierarchical`` (facade with that algorithm; only ops that have it) and
 ``auto`` (facade, cost model after a link probe; the JSON names the algorithm it chose).
 """
@@ -105,18 +104,13 @@ def _op_call(op: str, impl: str, buf: Any, out: Any, n: int) -> Any:
 
     raw = impl in ("torch", "torch2")
     algo = "torch" if impl in ("torch", "torch2", "torsh") else impl
+    kw = {} if algo == "torch" else {"algorithm": algo}  # torsh: called as a user would
     if op == "all_reduce":
-        return (
-            (lambda: dist.all_reduce(buf)) if raw else (lambda: C.all_reduce(buf, algorithm=algo))
-        )
+        return (lambda: dist.all_reduce(buf)) if raw else (lambda: C.all_reduce(buf, **kw))
     if op == "broadcast":
-        return (
-            (lambda: dist.broadcast(buf, 0))
-            if raw
-            else (lambda: C.broadcast(buf, 0, algorithm=algo))
-        )
+        return (lambda: dist.broadcast(buf, 0)) if raw else (lambda: C.broadcast(buf, 0, **kw))
     if op == "reduce":
-        return (lambda: dist.reduce(buf, 0)) if raw else (lambda: C.reduce(buf, 0, algorithm=algo))
+        return (lambda: dist.reduce(buf, 0)) if raw else (lambda: C.reduce(buf, 0, **kw))
     if op == "all_gather":
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return (lambda: fn(out, buf)) if raw else (lambda: C.all_gather_into_tensor(out, buf))
@@ -161,10 +155,12 @@ def run_bench(
                         "simulated hosts with TORSH_NODE_ASSIGNMENT=0,0,1,1",
                         flush=True,
                     )
+            # One pair of buffers for every impl: with buffers of their own, where the allocator
+            # happened to place each one moved a row's ratio by up to +-5 % between runs (A/A too).
+            buf = torch.ones(per)
+            out = torch.ones(per * n if op in ("all_gather", "reduce_scatter") else per)
             calls = {}
             for impl in usable:
-                buf = torch.ones(per)
-                out = torch.ones(per * n if op in ("all_gather", "reduce_scatter") else per)
                 calls[impl] = _op_call(op, impl, buf, out, n)
                 for _ in range(warmup):
                     calls[impl]()

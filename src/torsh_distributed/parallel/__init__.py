@@ -6,6 +6,7 @@ from torsh_distributed.parallel.data import apply_ddp, unwrap
 from torsh_distributed.parallel.memory import measure_model_state  # issue 4
 from torsh_distributed.parallel.parallelize import build_parallel_model, parallelize  # issue 4
 from torsh_distributed.parallel.sharded import apply_fsdp, shard_optimizer  # issue 4
+from torsh_distributed.parallel.tp_plan import TPPlan, apply_tp_plan, resolve_tp_plan  # issue 7
 
 __all__ = ["apply_ddp", "unwrap"]
 __all__ += [  # issue 4
@@ -17,3 +18,4 @@ __all__ += [  # issue 4
     "parallelize",
     "shard_optimizer",
 ]
+__all__ += ["TPPlan", "apply_tp_plan", "resolve_tp_plan"]  # issue 7

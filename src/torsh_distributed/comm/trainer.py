@@ -79,7 +79,11 @@ facade_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 class TrainerComm:
     """Applies a :class:`CommConfig` to a trainer's model; :meth:`finish` writes the trace."""
 
-    def __init__(self, config: CommConfig, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: CommConfig, model: torch.nn.Module, *, compressed: bool = False
+    ) -> None:
+        """``compressed``: a compression hook is installed and routes its sums through
+        ``config.algorithm`` itself, so no facade hook is registered (DDP takes one hook)."""
         self.config = config
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         if config.algorithm in ("hierarchical", "auto") and distributed:
@@ -93,7 +97,7 @@ class TrainerComm:
             dims = ParallelDims(dp=-1, node_assignment=nodes).build()
             if config.algorithm == "auto":
                 dims.probe()
-        if config.algorithm:
+        if config.algorithm and not compressed:
             if isinstance(model, DistributedDataParallel):
                 group = getattr(model, "process_group", None)
                 if group is not None and dist.get_world_size(group) == dist.get_world_size():

@@ -24,6 +24,9 @@ class CompressionConfig:
     error_feedback: str = field(default="default", metadata={"flags": ["--error-feedback"]})
     """``default`` (on for topk, randomk, threshold, sign, powersgd), ``on`` or ``off``:
     accumulate what was not sent and add it to the next gradient."""
+    warmup_steps: int = field(default=0, metadata={"flags": ["--compression-warmup"]})
+    """Exchange uncompressed gradients for the first N steps, then compress (torch's
+    ``start_powerSGD_iter``; DGC's warm-up). 0 = compress from the first step."""
     stochastic_rounding: bool = field(
         default=False, metadata={"negatable": True, "flags": ["--stochastic-rounding"]}
     )
@@ -60,6 +63,8 @@ class CompressionConfig:
             raise ValueError(
                 f"compression.error_feedback must be default, on or off; got {self.error_feedback!r}"
             )
+        if self.warmup_steps < 0:
+            raise ValueError(f"compression.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"compression.bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if self.first_bucket_mb < 0:

@@ -94,6 +94,10 @@ class CompressionHook:
         on_step: Called with the :class:`StepStats` of every finished step (monitoring).
         positions: ``id(parameter) -> index`` in the model's parameter order; lets the hook
             record each bucket's layout (set by :func:`register_compression`).
+        warmup_steps: Exchange uncompressed (exact mean) gradients for the first this many
+            steps, counted as sent in full; the compressor starts after them with empty state
+            (torch's ``start_powerSGD_iter``; DGC's warm-up). Early gradients change fastest,
+            and a low-rank or sparse start makes the first steps' error largest.
     """
 
     def __init__(
@@ -104,8 +108,13 @@ class CompressionHook:
         allreduce_fn: Callable[[torch.Tensor, Any], None] | None = None,
         on_step: Callable[[StepStats], None] | None = None,
         positions: dict[int, int] | None = None,
+        warmup_steps: int = 0,
     ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.compressor = compressor
+        self.warmup_steps = warmup_steps
+        self._dense = Identity()
         self.group = group
         self.allreduce_fn = allreduce_fn
         self.on_step = on_step
@@ -158,7 +167,9 @@ class CompressionHook:
         self.current.bytes_uncompressed += self._uncompressed(
             buffer.numel() * buffer.element_size()
         )
-        if isinstance(self.compressor, Identity) and self.allreduce_fn is None:
+        warm = self.steps < self.warmup_steps
+        compressor = self._dense if warm else self.compressor
+        if isinstance(compressor, Identity) and self.allreduce_fn is None:
             # DDP's own path: asynchronous, overlapped with the rest of backward.
             self.current.bytes_sent += self._uncompressed(buffer.numel() * buffer.element_size())
             w = self._world
@@ -168,7 +179,7 @@ class CompressionHook:
             comm = Comm(group=self.group, allreduce_fn=self.allreduce_fn)
             timer = Timer()
             shapes = [p.shape for p in bucket.parameters()]
-            out = self.compressor.reduce(
+            out = compressor.reduce(
                 buffer.reshape(-1), comm, key=bucket.index(), timer=timer, shapes=shapes
             )
             self.current.bytes_sent += comm.bytes_sent
@@ -183,7 +194,8 @@ class CompressionHook:
 
     def _end_step(self) -> None:
         step_end = getattr(self.compressor, "step_end", None)
-        if step_end is not None:  # the adaptive mode decides here, identically on every rank
+        warm = self.steps < self.warmup_steps
+        if step_end is not None and not warm:  # the adaptive mode decides here, on every rank
             step_end(Comm(group=self.group), self.current)
         self.steps += 1
         self.last_step = self.current
@@ -249,8 +261,10 @@ def register_compression(
     *,
     allreduce_fn: Callable[[torch.Tensor, Any], None] | None = None,
     on_step: Callable[[StepStats], None] | None = None,
+    warmup_steps: int = 0,
 ) -> CompressionHook:
-    """Register ``compressor`` as the communication hook of DDP ``model``; returns the hook state.
+    """Register ``compressor`` as the communication hook of DDP ``model``; returns the hook state
+    (arguments as :class:`CompressionHook`'s).
 
     DDP accepts one hook: registering a second raises torch's error.
 
@@ -268,6 +282,7 @@ def register_compression(
         allreduce_fn=allreduce_fn,
         on_step=on_step,
         positions=positions,
+        warmup_steps=warmup_steps,
     )
     model.register_comm_hook(state, compression_hook)
     setattr(model, _ATTR, state)

@@ -1,21 +1,26 @@
 """Compression in the built-in trainer: two calls around the model's wrapping, one for the summary.
 
-``TrainerCompression(config)`` validates the combination (DDP only, one comm hook) and makes the
+``TrainerCompression(config)`` validates the combination (DDP only) and makes the
 DDP options of the ``compression`` section the defaults of :func:`apply_ddp` until
 ``attach(model, base)``, which registers the compression hook on the DDP model and makes DDP
 re-bucket before the first step (:func:`prime_buckets`: one tiny forward/backward, so compressor
 state never meets a second bucket layout, in a run or after a resume). ``summary()``
 is the ``"compression"`` entry of the run summary; ``stateful`` is the object whose
 ``state_dict()`` a checkpoint must save (residuals, PowerSGD factors, auto's decisions).
+With ``--comm.algorithm`` the compression hook (DDP takes one) sums its summable payloads through
+the facade with that algorithm, and :class:`~torsh_distributed.comm.trainer.TrainerComm`
+registers no hook of its own.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextvars import Token
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
@@ -33,8 +38,7 @@ def check_compatible(config: TrainConfig) -> None:
 
     Raises:
         ValueError: compression with a ZeRO stage other than 0 (FSDP/ZeRO reduce-scatter
-            gradients; compression hooks DDP's all-reduce), or together with
-            ``--comm.algorithm`` (DDP takes one communication hook).
+            gradients; compression hooks DDP's all-reduce).
     """
     section = config.compression
     if not section.enabled:
@@ -44,12 +48,6 @@ def check_compatible(config: TrainConfig) -> None:
         raise ValueError(
             f"--compression {section.method} applies to DDP (parallel.zero_stage 0) only; "
             f"got --zero-stage {stage}. Use --compression none with ZeRO/FSDP"
-        )
-    algorithm = getattr(getattr(config, "comm", None), "algorithm", "")
-    if algorithm:
-        raise ValueError(
-            f"--compression {section.method} and --comm.algorithm {algorithm} both need DDP's "
-            f"single communication hook; use one of them"
         )
 
 
@@ -108,7 +106,12 @@ class TrainerCompression:
             stochastic_rounding=self.section.stochastic_rounding,
             seed=self.config.seed,
         )
-        self.hook = hook = register_compression(model, compressor)
+        self.hook = hook = register_compression(
+            model,
+            compressor,
+            warmup_steps=self.section.warmup_steps,
+            allreduce_fn=_facade_sum(getattr(getattr(self.config, "comm", None), "algorithm", "")),
+        )
         observe = getattr(compressor, "observe_loss", None)
         if observe is not None:
 
@@ -165,3 +168,19 @@ class TrainerCompression:
         if decisions:
             out["decisions"] = list(decisions)
         return out
+
+
+def _facade_sum(algorithm: str) -> Callable[[torch.Tensor, Any], None] | None:
+    """``--comm.algorithm`` with compression: the compression hook (DDP's one comm hook) sums
+    its summable payloads (fp16, bf16, PowerSGD factors, warm-up buckets) through the facade with
+    that algorithm; gathered payloads (sparse, sign, int8) use all_gather as before."""
+    if not algorithm:
+        return None
+    from torsh_distributed.comm import collectives as C
+
+    def allreduce(tensor: torch.Tensor, group: Any) -> None:
+        if group is not None and dist.get_world_size(group) == dist.get_world_size():
+            group = None  # the world: hierarchical/auto may use ParallelDims' node groups
+        C.all_reduce(tensor, group=group, algorithm=algorithm)
+
+    return allreduce

@@ -213,7 +213,8 @@ def _train(config: TrainConfig, runtime: world.Runtime, started: float) -> Train
     optimizer = shard_optimizer(_optimizer(base, config.optim), stage=config.parallel.zero_stage)
     scaler = LossScaler(config.parallel, device=device)  # fp16: dynamic loss scaling, else no-op
     compression.attach(model, base)  # gradient compression hook (compression.stateful)
-    comm = TrainerComm(config.comm, model)  # facade comm hook, --trace, debug mode
+    # facade comm hook (unless compression's hook carries the algorithm), --trace, debug mode
+    comm = TrainerComm(config.comm, model, compressed=compression.hook is not None)
     tokens_per_step = config.batch_size * config.model.block_size
 
     if runtime.is_main:

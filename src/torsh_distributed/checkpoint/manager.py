@@ -190,6 +190,10 @@ class CheckpointManager:
         async_save: Write in the background; the caller waits only for the host copy. Costs
             a host-memory copy of this rank's state while the write is in flight.
         config_hash: Stored in ``meta.json``; :meth:`load` warns when it differs.
+        layout: How this run lays out tensors that DCP cannot convert by itself (the built-in
+            model's fused ``qkv`` rows are permuted per tensor-parallel degree: ``{"tp": 2}``);
+            stored in ``meta.json``. :meth:`load` refuses a checkpoint with another layout
+            before reading any tensor (missing = ``{}``, the plain layout).
     """
 
     def __init__(
@@ -202,6 +206,7 @@ class CheckpointManager:
         every_s: float = 0.0,
         async_save: bool = True,
         config_hash: str = "",
+        layout: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last < 0 or keep_best < 0 or every_steps < 0 or every_s < 0:
             raise ValueError("keep_last, keep_best, every_steps and every_s must be >= 0")
@@ -210,6 +215,7 @@ class CheckpointManager:
         self.every_steps, self.every_s = every_steps, every_s
         self.async_save = async_save
         self.config_hash = config_hash
+        self.layout = dict(layout or {})
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         # Background saves and main-thread control messages each get their own Gloo group: two
@@ -308,6 +314,7 @@ class CheckpointManager:
                     "step": step,
                     "world_size": self.world_size,
                     "config_hash": self.config_hash,
+                    "layout": self.layout,
                     "metric": metric,
                     "time": time.time(),
                     "torch": torch.__version__,
@@ -504,8 +511,18 @@ class CheckpointManager:
         chosen, skipped = self._choose(path)
         if chosen is None:
             return None
+        meta = json.loads((chosen / manifest.META).read_text())
+        saved_layout = meta.get("layout") or {}
+        if saved_layout != self.layout:
+            raise CheckpointError(
+                f"checkpoint {chosen} stores tensors in layout {saved_layout or 'plain'}, this "
+                f"run uses {self.layout or 'plain'}; loading it would scramble them silently",
+                rank=self.rank,
+                operation="checkpoint.load",
+                fix="resume with the tensor-parallel degree it was saved with (--tp); data, "
+                "pipeline degree and world size may differ",
+            )
         try:
-            meta = json.loads((chosen / manifest.META).read_text())
             state = self._state_dict(model, optimizer)
             dcp.load(
                 state,
@@ -516,12 +533,16 @@ class CheckpointManager:
             if optimizer is None or is_zero1(optimizer):
                 set_model_state_dict(model, state["model"])  # ZeRO-1 state was loaded in place
             else:
+                hyper = [
+                    {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+                ]
                 set_state_dict(
                     model,
                     optimizer,
                     model_state_dict=state["model"],
                     optim_state_dict=state["optim"],
                 )
+                _refill_hyperparameters(optimizer, hyper)
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - report which checkpoint failed
@@ -556,3 +577,15 @@ class CheckpointManager:
             rng_restored=same_world,
             skipped=skipped,
         )
+
+
+def _refill_hyperparameters(optimizer: torch.optim.Optimizer, hyper: list[dict[str, Any]]) -> None:
+    """Put back param-group settings (lr, betas, ...) that loading dropped.
+
+    DCP writes non-tensor values once, from the coordinator, as if every rank had the same ones.
+    Pipeline ranks hold different parameters, so the settings keyed by another rank's parameter
+    names do not come back; the run's own settings (from its config) fill them in.
+    """
+    for group, saved in zip(optimizer.param_groups, hyper, strict=True):
+        for key, value in saved.items():
+            group.setdefault(key, value)

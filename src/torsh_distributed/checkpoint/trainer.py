@@ -55,6 +55,8 @@ class TrainerCheckpoint:
         rank_state: ``Stateful`` objects whose state differs per rank and holds tensors (the
             compression hook: residuals, PowerSGD factors); saved per rank and restored when the
             world size is unchanged (a resharded run starts them afresh and says so).
+        layout: Tensor layout DCP cannot convert (see :class:`CheckpointManager`); a checkpoint
+            saved with another one is refused on resume.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class TrainerCheckpoint:
         write: Callable[[str], None] | None = None,
         json_state: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
+        layout: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.json_state = dict(json_state or {})
@@ -95,6 +98,7 @@ class TrainerCheckpoint:
                 every_s=self.section.every_s,
                 async_save=self.section.async_save,
                 config_hash=config_hash(config),
+                layout=layout,
             )
         self.saving = bool(self.section.dir)
 

@@ -7,8 +7,12 @@ backward (ZeRO/FSDP over ``dp`` is not combined yet). Gradient clipping sums squ
 ``tp`` shards and the ``pp`` stages. The step differs from the data-parallel loop in that a
 pipeline runs the forward and backward of all micro-batches in ``schedule.step``.
 
-Features of the data-parallel loop that this loop does not drive (compression, comm hooks,
-monitoring, checkpoints, memory report) are warned about when they are set.
+Checkpoints work as in the data-parallel loop (``--checkpoint-dir``, ``--resume``): the state
+dict is taken under the whole model's names (:meth:`PipelineRunner.state_module`), so the pipeline
+ranks write disjoint parts of one model, and DCP can load it at another pipeline or data-parallel
+degree; a different tensor-parallel degree is refused (the fused ``qkv`` rows are stored in the
+TP order). Features of the data-parallel loop that this loop does not drive (compression, comm
+hooks, monitoring, memory report) are warned about when they are set.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def _warn_ignored(config: TrainConfig) -> None:
     from torsh_distributed.train.config import TrainConfig as Fresh
 
     default = Fresh()
-    for section in ("compression", "comm", "monitor", "checkpoint"):
+    for section in ("compression", "comm", "monitor"):
         if getattr(config, section) != getattr(default, section):
             warnings.warn(
                 f"the {section} section is ignored with parallel.tp/pp > 1 (model-parallel loop)",
@@ -164,6 +168,17 @@ def train_model_parallel(
         for group in optimizer.param_groups:
             group["foreach"] = False
 
+    from torsh_distributed.checkpoint.trainer import TrainerCheckpoint
+
+    ckpt = TrainerCheckpoint(
+        config,
+        model=pipe.state_module() if pipe is not None else holder,  # the whole model's names
+        optimizer=optimizer,
+        num_train_tokens=corpus.train.numel(),
+        layout={"tp": dims.tp} if dims.tp > 1 else None,  # qkv rows in TP order
+    )
+    start_step, losses = ckpt.resume()
+
     def loss_context() -> contextlib.AbstractContextManager:
         if not use_loss_parallel:
             return contextlib.nullcontext()
@@ -201,7 +216,6 @@ def train_model_parallel(
     progress = Progress(
         total=config.max_steps, enabled=runtime.is_main and config.progress, desc="train"
     )
-    losses: list[float] = []
     loop_time = 0.0
     batch = dict(
         batch_size=config.batch_size,
@@ -209,7 +223,7 @@ def train_model_parallel(
         rank=dp_rank,
         num_ranks=dims.dp,
     )
-    for step in range(config.max_steps):
+    for step in range(start_step, config.max_steps):
         t0 = time.perf_counter()
         lr = lr_at(step, optim=config.optim, max_steps=config.max_steps)
         for group in optimizer.param_groups:
@@ -230,11 +244,15 @@ def train_model_parallel(
             )
         losses.append(global_loss)
         loop_time += time.perf_counter() - t0
+        ckpt.step_end(step + 1, losses)  # save if due
         if (step + 1) % config.log_every == 0 or step == 0 or step + 1 == config.max_steps:
             progress.update_to(
-                step + 1, loss=global_loss, tok_s=tokens_per_step * (step + 1) / loop_time
+                step + 1,
+                loss=global_loss,
+                tok_s=tokens_per_step * (step + 1 - start_step) / loop_time,
             )
     progress.close()
+    ckpt.finish(config.max_steps, losses)  # final save, wait for async saves
 
     from torsh_distributed.train.loop import _EVAL_STEP_BASE
 
@@ -252,11 +270,12 @@ def train_model_parallel(
         initial_loss=losses[0],
         final_loss=sum(tail) / len(tail),
         val_loss=total / config.eval_batches,
-        tokens_per_s=tokens_per_step * len(losses) / loop_time if loop_time else 0.0,
+        tokens_per_s=tokens_per_step * (len(losses) - start_step) / loop_time if loop_time else 0.0,
         world_size=runtime.world_size,
         wall_time_s=time.perf_counter() - started,
         num_params=total_params,
         backend=runtime.backend,
+        checkpoint=ckpt.summary(),
     )
     if runtime.is_main:
         print(format_summary(result.summary()), flush=True)

@@ -154,6 +154,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
+        self.layer_ids = list(layers)
         if first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
@@ -196,6 +197,26 @@ class PipelineRunner:
             for p in m.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    def state_module(self) -> nn.Module:
+        """This rank's stages under the unsplit GPT's names (``tok_emb``, ``blocks.<global
+        index>``, ``ln_f``, ``head``), for checkpoints.
+
+        Each pipeline rank's state dict then holds disjoint names of the one model, so a DCP
+        checkpoint written by all ranks is the whole model, loadable at another pipeline degree
+        (or none). The stage modules' own names (``blocks.0`` on every stage) would collide.
+        """
+        view = nn.Module()
+        blocks = nn.ModuleDict()
+        for m in self.modules:
+            for i, block in zip(m.layer_ids, m.blocks, strict=True):
+                blocks[str(i)] = block
+            if m.first:
+                view.tok_emb, view.pos_emb = m.tok_emb, m.pos_emb
+            if m.last:
+                view.ln_f, view.head = m.ln_f, m.head
+        view.blocks = blocks
+        return view
 
     def _run(
         self, run: Callable[..., object], x: torch.Tensor, y: torch.Tensor

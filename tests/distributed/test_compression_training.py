@@ -192,6 +192,42 @@ def test_warmup_steps_are_uncompressed_then_compression_starts():
         assert psgd[2] < psgd[3]  # then fewer bytes than uncompressed
 
 
+def _fp16_overflow_case() -> dict[str, dict]:
+    out = {}
+    for method in ("none", "topk:0.1", "powersgd:2"):
+        cfg = preset("tiny")
+        cfg.max_steps = 10
+        cfg.batch_size = 8
+        cfg.progress = False
+        cfg.eval_batches = 1
+        cfg.data.max_bytes = 200_000
+        cfg.compression.method = method
+        cfg.parallel.param_dtype = "fp16"  # autocast + DDP + dynamic loss scaling
+        cfg.parallel.loss_scale_init = 2.0**20  # overflows for the first steps
+        result = train(cfg)
+        out[method] = {
+            "precision": result.precision,
+            "losses": result.losses,
+            "compression": result.compression,
+        }
+    return out
+
+
+def test_fp16_overflow_does_not_poison_error_feedback():
+    """An overflowed step (skipped by the loss scaler) must not leave inf/NaN in residuals or
+    PowerSGD factors: before the fix every later step overflowed too and training stopped
+    (30 of 30 steps skipped, scale down to 0.93)."""
+    r = run_distributed(_fp16_overflow_case, 2, timeout=240)[0]
+    skipped = r["none"]["precision"]["skipped_at"]
+    assert 0 < len(skipped) < 8, r["none"]["precision"]
+    for method in ("topk:0.1", "powersgd:2"):
+        p = r[method]["precision"]
+        assert p["skipped_at"] == skipped, (method, p)  # the same overflow steps, then training
+        assert r[method]["compression"]["error_resets"] == len(skipped), r[method]["compression"]
+        losses = r[method]["losses"]
+        assert losses[-1] < losses[len(skipped)], (method, losses)
+
+
 def _rebucketing_case() -> dict[str, object]:
     """DDP re-buckets after step 1: unprimed, the hook resets (never misapplies) its state."""
     import warnings

@@ -249,6 +249,11 @@ class Adaptive(Compressor):
         for k, v in zip(keys, vec.tolist(), strict=True):
             self.choice[k] = int(v)
 
+    def reset_errors(self) -> None:
+        self._pending.clear()
+        for m in self.methods:
+            m.reset_errors()
+
     def take_residual(self, key: int) -> torch.Tensor | None:
         last = self.last.get(key)
         return None if last is None else self.methods[last].take_residual(key)

@@ -191,6 +191,15 @@ class Compressor(ABC):
         """
         return None
 
+    def reset_errors(self) -> None:
+        """Drop the accumulated error state (residuals, factors, estimates) of every bucket.
+
+        Called on every rank after an exchange came out non-finite (an fp16 overflow that the
+        loss scaler will skip): that step's gradient must not stay in the state, or every later
+        step would carry the inf/NaN. Random-stream counters are kept (ranks stay in step).
+        """
+        return None  # stateless methods have nothing to drop
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -276,6 +285,10 @@ class ErrorFeedback(Compressor):
 
     def take_residual(self, key: int) -> torch.Tensor | None:
         return self.residuals.pop(key, None)
+
+    def reset_errors(self) -> None:
+        self.residuals.clear()
+        self.inner.reset_errors()
 
     def state_dict(self) -> dict[str, Any]:
         return {

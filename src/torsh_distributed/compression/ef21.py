@@ -69,6 +69,11 @@ class EF21(Compressor):
             g += delta
         return g.clone()
 
+    def reset_errors(self) -> None:
+        self.local.clear()  # the next exchange re-initialises both estimates densely
+        self.mean.clear()
+        self.inner.reset_errors()
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "local": {str(k): v.clone() for k, v in self.local.items()},

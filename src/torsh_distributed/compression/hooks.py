@@ -129,6 +129,9 @@ class CompressionHook:
         self.passthrough = False
         """Plain all-reduce, no state and no accounting (set by :func:`prime_buckets`)."""
         self._fresh = copy.deepcopy(compressor.state_dict())
+        self._nonfinite = False
+        self.error_resets = 0
+        """Steps whose exchange came out non-finite, after which the error state was dropped."""
 
     @property
     def method(self) -> str:
@@ -186,6 +189,8 @@ class CompressionHook:
             self.current.comm_s += comm.comm_s
             self.current.compress_s += timer.compress.seconds
             self.current.decompress_s += timer.decompress.seconds
+            if not warm and not bool(torch.isfinite(out).all()):
+                self._nonfinite = True  # the same on every rank: out is the exchanged mean
             result = torch.futures.Future()
             result.set_result(out.view_as(buffer).to(buffer.dtype))
         if bucket.is_last():
@@ -193,6 +198,10 @@ class CompressionHook:
         return result
 
     def _end_step(self) -> None:
+        if self._nonfinite:  # an fp16 overflow: the scaler skips this step; so does the state
+            self.compressor.reset_errors()
+            self.error_resets += 1
+            self._nonfinite = False
         step_end = getattr(self.compressor, "step_end", None)
         warm = self.steps < self.warmup_steps
         if step_end is not None and not warm:  # the adaptive mode decides here, on every rank
@@ -215,6 +224,7 @@ class CompressionHook:
             "seconds": round(self.total.compress_s + self.total.decompress_s, 4),
             "comm_seconds": round(self.total.comm_s, 4),
             "steps": self.steps,
+            "error_resets": self.error_resets,
         }
 
     def state_dict(self) -> dict[str, Any]:

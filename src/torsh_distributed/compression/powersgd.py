@@ -198,6 +198,10 @@ class PowerSGD(Compressor):
     def take_residual(self, key: int) -> torch.Tensor | None:
         return self.residuals.pop(key, None)
 
+    def reset_errors(self) -> None:
+        self.residuals.clear()
+        self.qs.clear()  # a NaN warm start would stay NaN
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "qs": {str(k): [q.clone() for q in v] for k, v in self.qs.items()},

@@ -87,3 +87,25 @@ def test_error_message_names_rank_operation_and_fix():
 
     copy = pickle.loads(pickle.dumps(err))
     assert (copy.rank, copy.operation, copy.fix) == (1, "all_reduce", "restart")
+
+
+def test_shutdown_frees_unreachable_ddp_before_destroying_the_group():
+    """A DDP wrapper in a reference cycle keeps its process group alive; left to the
+    interpreter's final collection, Gloo's teardown there aborted `torsh-dist train` now and then
+    ("terminate called without an active exception"). shutdown() collects it first."""
+    import gc
+    import weakref
+
+    gc.disable()  # only shutdown() may collect the cycle
+    try:
+        tdist.init(env={})
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        model.loop = [model]  # a reference cycle, as hooks and closures make in practice
+        alive = weakref.ref(model)
+        del model
+        assert alive() is not None
+        tdist.shutdown()
+        assert alive() is None
+    finally:
+        gc.enable()
+        tdist.shutdown()

@@ -15,6 +15,7 @@ registers no hook of its own.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from contextvars import Token
 from typing import TYPE_CHECKING, Any
@@ -135,12 +136,18 @@ class TrainerCompression:
         numel = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
         self._dense_bytes = int(2 * (world - 1) / world * numel)
 
+        # A weak reference: the hook lives on ``base``, which the DDP wrapper holds; a strong one
+        # made a cycle that kept DDP (and its process group) alive until the interpreter's final
+        # garbage collection, where destroying Gloo's state aborted the process now and then.
+        wrapper = weakref.ref(model)
+
         def _count(module: nn.Module, args: Any, output: Any) -> None:
             # one exchange per step: forwards under no_sync (--grad-accum) send nothing
+            ddp = wrapper()
             if (
                 module.training
                 and torch.is_grad_enabled()
-                and getattr(model, "require_backward_grad_sync", True)
+                and getattr(ddp, "require_backward_grad_sync", True)
             ):
                 self._dense_steps += 1
 

@@ -14,6 +14,7 @@ device, and returns a :class:`Runtime` that is also a context manager::
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import warnings
@@ -278,6 +279,10 @@ def shutdown() -> None:
     runtime, _current = _current, None
     if runtime is None or not runtime.owns_group or not dist.is_initialized():
         return
+    # Free unreachable objects that still hold process groups (a DDP wrapper in a reference
+    # cycle, a mesh) now, while the interpreter is whole: left to the final collection at exit,
+    # destroying Gloo's state there can abort the process (torch issue #190489's symptom).
+    gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Checkpoints of the model-parallel loop (tensor and pipeline parallelism).
+"""Checkpoints and monitoring of the model-parallel loop (tensor and pipeline parallelism).
 
 * tp2 and pp2 (1F1B): 2N steps straight == N steps, resume, N steps, bit for bit;
 * the pipeline ranks write one whole model under the unsplit GPT's names, so a pp2 checkpoint
@@ -80,3 +80,25 @@ def test_model_parallel_checkpoints_resume(tmp_path):
         assert dp[step] == pytest.approx(straight_pp[step], rel=1e-4), (step, dp, straight_pp)
     message = r["tp2->dp"]
     assert "{'tp': 2}" in message and "plain" in message and "--tp" in message, message
+
+
+def _monitored(root: str) -> dict:
+    parallel = {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2}
+    plain = train(_config(Path(root) / "plain", parallel, save_final=False))
+    cfg = _config(Path(root) / "mon", parallel, save_final=False)
+    cfg.monitor.enabled, cfg.monitor.every = True, 2
+    cfg.monitor.report_json = str(Path(root) / "report.json")
+    watched = train(cfg)
+    return {"plain": plain.losses, "watched": watched.losses, "report": watched.monitor}
+
+
+def test_model_parallel_loop_is_monitored(tmp_path):
+    """--monitor under a pipeline: a report over both ranks, throughput counted once per data-
+    parallel replica, and the same losses as without monitoring."""
+    r = run_distributed(_monitored, 2, args=(str(tmp_path),), timeout=240)[0]
+    assert r["watched"] == r["plain"]
+    report = r["report"]
+    assert report["world_size"] == 2 and len(report["per_rank"]) == 2
+    assert report["breakdown"]["backward"] > 0 and report["tokens_per_s"] > 0
+    written = (tmp_path / "report.json").read_text()
+    assert '"per_rank"' in written

@@ -11,8 +11,11 @@ Checkpoints work as in the data-parallel loop (``--checkpoint-dir``, ``--resume`
 dict is taken under the whole model's names (:meth:`PipelineRunner.state_module`), so the pipeline
 ranks write disjoint parts of one model, and DCP can load it at another pipeline or data-parallel
 degree; a different tensor-parallel degree is refused (the fused ``qkv`` rows are stored in the
-TP order). Features of the data-parallel loop that this loop does not drive (compression, comm
-hooks, monitoring, memory report) are warned about when they are set.
+TP order). Monitoring (``--monitor`` and its report, metrics, dashboard, alerts) works as in the
+data-parallel loop; a pipeline step's forward and backward interleave, so both count as
+``backward``, and the gradient all-reduces over ``tp``/``dp`` as ``comm_wait``. Features of the
+data-parallel loop that this loop does not drive (compression, comm hooks, memory report) are
+warned about when they are set.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def _warn_ignored(config: TrainConfig) -> None:
     from torsh_distributed.train.config import TrainConfig as Fresh
 
     default = Fresh()
-    for section in ("compression", "comm", "monitor"):
+    for section in ("compression", "comm"):
         if getattr(config, section) != getattr(default, section):
             warnings.warn(
                 f"the {section} section is ignored with parallel.tp/pp > 1 (model-parallel loop)",
@@ -223,26 +226,49 @@ def train_model_parallel(
         rank=dp_rank,
         num_ranks=dims.dp,
     )
+    from torsh_distributed.monitor.trainer import TrainerMonitor
+
+    # one rank per data-parallel replica counts its samples (the job's rate is the ranks' sum)
+    counts = dims.mesh["tp"].get_local_rank() == 0 and pp_rank == dims.pp - 1
+    monitor = TrainerMonitor(
+        config.monitor,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        local_world_size=_local_world_size(),
+        device=device,
+        max_steps=config.max_steps,
+        samples_per_step=per_dp if counts else 0,
+        tokens_per_step=per_dp * config.model.block_size if counts else 0,
+        params=params,
+        echo=progress.write if config.progress else None,
+    )
     for step in range(start_step, config.max_steps):
         t0 = time.perf_counter()
+        monitor.step_begin(step)
         lr = lr_at(step, optim=config.optim, max_steps=config.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = sample_batch(corpus.train, seed=config.seed, step=step, **batch)
+        monitor.phase("data")
         optimizer.zero_grad(set_to_none=True)
         global_loss = run(x, y, train=True)
+        monitor.phase("backward")  # forward + backward (interleaved in a pipeline)
         if dims.tp > 1:  # sequence-parallel norms' Partial gradients: one all-reduce over tp
             reduce_partial_grads(params)
         if not fsdp:  # FSDP2 reduce-scatters (averages) the gradients over dp itself
             sync_grads(params, dp_group, dims.dp)
+        monitor.phase("comm_wait")
+        grad_norm = None
         if config.optim.grad_clip:
-            clip_grad_norm_(params, config.optim.grad_clip, pp_group=pp_group)
+            grad_norm = clip_grad_norm_(params, config.optim.grad_clip, pp_group=pp_group)
         optimizer.step()
+        monitor.phase("optimizer")
         if not math.isfinite(global_loss):
             raise FloatingPointError(
                 f"loss became {global_loss} at step {step + 1}; lower --lr (now {config.optim.lr})"
             )
         losses.append(global_loss)
+        monitor.step_end(step + 1, loss=global_loss, lr=lr, grad_norm=grad_norm)
         loop_time += time.perf_counter() - t0
         ckpt.step_end(step + 1, losses)  # save if due
         if (step + 1) % config.log_every == 0 or step == 0 or step + 1 == config.max_steps:
@@ -252,6 +278,7 @@ def train_model_parallel(
                 tok_s=tokens_per_step * (step + 1 - start_step) / loop_time,
             )
     progress.close()
+    monitor_report = monitor.finish()  # last aggregation (collective), bottleneck report
     ckpt.finish(config.max_steps, losses)  # final save, wait for async saves
 
     from torsh_distributed.train.loop import _EVAL_STEP_BASE
@@ -276,6 +303,7 @@ def train_model_parallel(
         num_params=total_params,
         backend=runtime.backend,
         checkpoint=ckpt.summary(),
+        monitor=monitor_report,
     )
     if runtime.is_main:
         print(format_summary(result.summary()), flush=True)
@@ -284,3 +312,9 @@ def train_model_parallel(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result.summary(), indent=2) + "\n")
     return result
+
+
+def _local_world_size() -> int:
+    from torsh_distributed.runtime import world
+
+    return world.local_world_size()

@@ -56,6 +56,14 @@ class CommConfig:
                 ) from None
 
 
+def world_or_group(group: Any) -> Any:
+    """``None`` for a group that spans the world (lets hierarchical/auto use ParallelDims' node
+    groups, which exist for the world only), else ``group``."""
+    if group is not None and dist.get_world_size(group) == dist.get_world_size():
+        return None
+    return group
+
+
 @dataclass(slots=True)
 class _HookState:
     algorithm: str
@@ -99,9 +107,7 @@ class TrainerComm:
                 dims.probe()
         if config.algorithm and not compressed:
             if isinstance(model, DistributedDataParallel):
-                group = getattr(model, "process_group", None)
-                if group is not None and dist.get_world_size(group) == dist.get_world_size():
-                    group = None  # the world: lets hierarchical/auto use ParallelDims' node groups
+                group = world_or_group(getattr(model, "process_group", None))
                 try:
                     model.register_comm_hook(_HookState(config.algorithm, group), facade_hook)
                 except RuntimeError as exc:

@@ -123,10 +123,8 @@ class Adaptive(Compressor):
             comm.rounds,
             comm.comm_s,
         )
-        if not self._decided and comm.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier(group=comm.group)  # time the exchange, not the slowest rank's backward
+        if not self._decided:
+            comm.barrier()  # time the exchange, not the slowest rank's backward
         out = self.methods[idx].reduce(tensor, comm, key=key, timer=timer, shapes=shapes)
         if not self._decided:
             sample = (

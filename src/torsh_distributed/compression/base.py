@@ -105,6 +105,11 @@ class Comm:
         self.comm_s += time.perf_counter() - t0
         return gathered
 
+    def barrier(self) -> None:
+        """Meet every rank of the group (not counted: it carries no payload)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast from ``src`` (used for decisions that must agree on every rank)."""
         if self.world_size > 1:

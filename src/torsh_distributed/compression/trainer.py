@@ -21,7 +21,6 @@ from contextvars import Token
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
@@ -111,7 +110,9 @@ class TrainerCompression:
             model,
             compressor,
             warmup_steps=self.section.warmup_steps,
-            allreduce_fn=_facade_sum(getattr(getattr(self.config, "comm", None), "algorithm", "")),
+            allreduce_fn=_facade_sum(
+                getattr(getattr(self.config, "comm", None), "algorithm", ""), model.process_group
+            ),
         )
         observe = getattr(compressor, "observe_loss", None)
         if observe is not None:
@@ -177,17 +178,18 @@ class TrainerCompression:
         return out
 
 
-def _facade_sum(algorithm: str) -> Callable[[torch.Tensor, Any], None] | None:
+def _facade_sum(algorithm: str, group: Any) -> Callable[[torch.Tensor, Any], None] | None:
     """``--comm.algorithm`` with compression: the compression hook (DDP's one comm hook) sums
     its summable payloads (fp16, bf16, PowerSGD factors, warm-up buckets) through the facade with
     that algorithm; gathered payloads (sparse, sign, int8) use all_gather as before."""
     if not algorithm:
         return None
     from torsh_distributed.comm import collectives as C
+    from torsh_distributed.comm.trainer import world_or_group
 
-    def allreduce(tensor: torch.Tensor, group: Any) -> None:
-        if group is not None and dist.get_world_size(group) == dist.get_world_size():
-            group = None  # the world: hierarchical/auto may use ParallelDims' node groups
-        C.all_reduce(tensor, group=group, algorithm=algorithm)
+    target = world_or_group(group)  # the hook's group (DDP's), resolved once
+
+    def allreduce(tensor: torch.Tensor, _group: Any) -> None:
+        C.all_reduce(tensor, group=target, algorithm=algorithm)
 
     return allreduce

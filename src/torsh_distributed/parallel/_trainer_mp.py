@@ -42,9 +42,9 @@ from torsh_distributed.parallel.tensor import (
     reduce_partial_grads,
     sync_grads,
 )
+from torsh_distributed.runtime import world
 
 if TYPE_CHECKING:
-    from torsh_distributed.runtime import world
     from torsh_distributed.train.config import TrainConfig
     from torsh_distributed.train.data import Corpus
     from torsh_distributed.train.loop import TrainResult
@@ -234,7 +234,7 @@ def train_model_parallel(
         config.monitor,
         rank=runtime.rank,
         world_size=runtime.world_size,
-        local_world_size=_local_world_size(),
+        local_world_size=world.local_world_size(),
         device=device,
         max_steps=config.max_steps,
         samples_per_step=per_dp if counts else 0,
@@ -312,9 +312,3 @@ def train_model_parallel(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result.summary(), indent=2) + "\n")
     return result
-
-
-def _local_world_size() -> int:
-    from torsh_distributed.runtime import world
-
-    return world.local_world_size()

@@ -40,21 +40,27 @@ SPECS = [
     "auto",
 ]
 WARMUP = {"powersgd:4": 10}
-# Known misses on this budget, checked with a looser bound that still fails on a broken method
-# (initial loss ~ +130 %): the sparsifiers at 1 % / 50 % and scaled sign (sparse or sign updates
-# under Adam), and EF21, whose gap depends on the seed (val gap over seeds 1234, 1, 2:
-# ef21:topk:0.1 +5.0, +5.4, +2.4 %). A 30-step warm-up narrows the first three (topk:0.01 +7.0,
-# +8.3, +6.7 %; randomk:0.5 +3.6, +3.8, +2.1 %; sign +4.5, +4.0, +4.2 %) without closing them.
+# Under AdamW (the trainer's default) the sparsifiers at 1 % / 50 %, scaled sign and EF21 lag on
+# this budget (val gap over seeds 1234, 1, 2: ef21:topk:0.1 +5.0, +5.4, +2.4 %; a 30-step warm-up
+# narrows topk:0.01 to +7.0, +8.3, +6.7 %, randomk:0.5 to +3.6, +3.8, +2.1 %, sign to +4.5, +4.0,
+# +4.2 %). Error feedback is exact (test_error_feedback_is_exact_through_ddp), and with plain SGD,
+# the setting of its convergence proofs, the same methods train within 3 % of uncompressed SGD
+# (seeds 1234, 1, 2: topk:0.01 +1.0, +0.4, -0.3 %; randomk:0.5 -0.5, -1.4, -2.4 %; sign -1.4,
+# -3.7, -3.3 %; ef21:topk:0.1 -0.9, -0.9, -1.5 %). Adam's per-coordinate normalisation is not
+# linear, so what error feedback delivers late is not applied as if it came on time (so is
+# momentum's: with SGD momentum 0.9 the gaps come back). Both are checked: under SGD at 3 %,
+# under AdamW with a looser bound that still fails on a broken method (initial loss ~ +130 %).
 LOOSE = {
     "randomk:0.5": 0.15,
     "topk:0.01": 0.2,
     "sign": 0.25,
     "ef21:topk:0.1": 0.08,
 }
+SGD_LR = 0.5
 STEPS = 200
 
 
-def _config(method: str) -> dict:
+def _config(method: str, optimizer: str = "adamw") -> dict:
     cfg = preset("tiny")
     cfg.max_steps = STEPS
     cfg.batch_size = 8
@@ -62,28 +68,39 @@ def _config(method: str) -> dict:
     cfg.eval_batches = 8  # the compared loss: validation, the same fixed batches for every method
     cfg.compression.method = method
     cfg.compression.warmup_steps = WARMUP.get(method, 0)
+    if optimizer == "sgd":
+        cfg.optim.optimizer = "sgd"
+        cfg.optim.lr = SGD_LR
     return cfg.to_dict()
 
 
-def _train_all(methods: list[str]) -> dict[str, dict]:
+def _train_all(runs: list[str]) -> dict[str, dict]:
+    """``runs``: method specs, ``sgd/<spec>`` for plain SGD instead of AdamW."""
     out = {}
-    for method in methods:
-        result = train(TrainConfig.from_dict(_config(method)))
+    for run in runs:
+        optimizer, _, method = run.rpartition("/")
+        result = train(TrainConfig.from_dict(_config(method, optimizer or "adamw")))
         # validation loss, not the last training steps' mean: that one moves by several percent
         # with the sample order alone (a different seed shifts powersgd:4's gap from +1 % to +8 %)
-        out[method] = {"loss": result.val_loss, "compression": result.compression}
+        out[run] = {"loss": result.val_loss, "compression": result.compression}
     return out
 
 
 @pytest.mark.slow
 def test_every_compressor_trains_within_three_percent_of_uncompressed():
-    results = run_distributed(_train_all, 2, args=(["none", *SPECS, *LOOSE],), timeout=900)
+    sgd = [f"sgd/{m}" for m in ("none", *LOOSE)]
+    runs = ["none", *SPECS, *LOOSE, *sgd]
+    results = run_distributed(_train_all, 2, args=(runs,), timeout=900)
     assert results[0].keys() == results[1].keys()
-    base = results[0]["none"]["loss"]
-    gaps = {m: (r["loss"] - base) / base for m, r in results[0].items()}
+    base = {"": results[0]["none"]["loss"], "sgd": results[0]["sgd/none"]["loss"]}
+    gaps = {
+        m: (r["loss"] - base[m.rpartition("/")[0]]) / base[m.rpartition("/")[0]]
+        for m, r in results[0].items()
+    }
     failed = {m: f"{g:+.2%}" for m, g in gaps.items() if g > LOOSE.get(m, 0.03)}
-    assert not failed, f"loss gap > 3 % vs none ({base:.4f}): {failed}"
-    for method, r in results[0].items():
+    assert not failed, f"loss gap > 3 % vs none with the same optimizer ({base}): {failed}"
+    for run, r in results[0].items():
+        method = run.rpartition("/")[2]
         c = r["compression"]
         assert set(c) >= {"method", "bytes_uncompressed", "bytes_sent", "ratio", "seconds"}
         if method not in ("none", "auto", "threshold:1e-3", "randomk:0.5"):
@@ -308,3 +325,52 @@ def test_ddp_options_and_no_sync_accumulation():
         assert r["static"] and r["find_unused"] and not r["default_after"]
         assert r["accumulation"] < 1e-5
         assert r["identity"] < 1e-6
+
+
+def _error_feedback_books(specs: list[str]) -> dict[str, float]:
+    """Per method: max over buckets of |sum of exact mean gradients - sum of exchanged means -
+    mean residual| after 15 SGD steps through DDP, relative to the largest summed gradient."""
+    torch.set_num_threads(1)
+    out = {}
+    for spec in specs:
+        base = _model()
+        model = apply_ddp(base, bucket_cap_mb=0.02)
+        compressor = build_compressor(spec, seed=3)
+        register_compression(model, compressor)
+        x, y = _batch(999)
+        prime_buckets(model, lambda x=x, y=y, model=model: model(x[:1], y[:1])[1])
+        exact: dict[int, torch.Tensor] = {}
+        sent: dict[int, torch.Tensor] = {}
+        reduce = compressor.reduce
+
+        def books(
+            tensor, comm, *, key=0, timer=None, shapes=None, reduce=reduce, exact=exact, sent=sent
+        ):
+            mean = tensor.clone()
+            dist.all_reduce(mean)
+            exact[key] = exact.get(key, 0) + mean.double() / dist.get_world_size()
+            result = reduce(tensor, comm, key=key, timer=timer, shapes=shapes)
+            sent[key] = sent.get(key, 0) + result.double()
+            return result
+
+        compressor.reduce = books  # type: ignore[method-assign]
+        _run(model, torch.optim.SGD(base.parameters(), lr=0.1), range(15))
+        errors = []
+        for key, total in exact.items():
+            residual = compressor.residuals[key].clone()
+            dist.all_reduce(residual)
+            missing = total - sent[key] - residual.double() / dist.get_world_size()
+            errors.append(float(missing.abs().max() / total.abs().max()))
+        assert len(exact) > 1, "the model should span several buckets"
+        out[spec] = max(errors)
+    return out
+
+
+def test_error_feedback_is_exact_through_ddp():
+    """Error feedback loses nothing on 2 ranks through DDP's hook: what every step exchanged plus
+    what is left in the residuals equals the sum of the exact mean gradients (float64 books).
+    The sparse and sign methods' lag under AdamW (see LOOSE) is therefore not lost gradient."""
+    specs = ["topk:0.01", "randomk:0.5", "sign", "threshold:1e-3"]
+    results = run_distributed(_error_feedback_books, 2, args=(specs,), timeout=120)
+    for spec, error in results[0].items():
+        assert error < 1e-5, (spec, error)

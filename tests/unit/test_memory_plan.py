@@ -66,6 +66,8 @@ def test_cli_json_one_stage_and_several(capsys):
         ("fp32", "adam", (4, 4, 8)),
         ("fp32", "sgd", (4, 4, 4)),
         ("bf16", "sgd", (2, 2, 8)),
+        ("fp32", "sgd-plain", (4, 4, 0)),
+        ("bf16", "sgd-plain", (2, 2, 4)),
     ],
 )
 def test_bytes_per_param_variants(dtype, optimizer, expected):

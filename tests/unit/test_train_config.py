@@ -71,3 +71,28 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(100, optim=optim, max_steps=100) == pytest.approx(optim.lr * optim.min_lr_ratio)
     values = [lr_at(s, optim=optim, max_steps=100) for s in range(optim.warmup_steps, 100)]
     assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_optimizer_flags_build_sgd_and_invalid_ones_are_named():
+    import torch
+
+    from torsh_distributed.parallel._trainer_memory import planner_optimizer
+    from torsh_distributed.train.config import OptimConfig
+    from torsh_distributed.train.loop import _optimizer
+
+    cfg = _parse("--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.5")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = _optimizer(model, cfg.optim)
+    assert isinstance(opt, torch.optim.SGD)
+    assert [g["momentum"] for g in opt.param_groups] == [0.9, 0.9]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]  # matrices only
+    assert isinstance(_optimizer(model, _parse().optim), torch.optim.AdamW)
+    assert planner_optimizer(cfg.optim) == "sgd"
+    assert planner_optimizer(OptimConfig(optimizer="sgd")) == "sgd-plain"
+    assert planner_optimizer(OptimConfig()) == "adam"
+    with pytest.raises(ValueError, match="optim.optimizer must be one of adamw, sgd, got 'lion'"):
+        OptimConfig(optimizer="lion")
+    with pytest.raises(ValueError, match=r"optim.momentum must be in \[0, 1\), got 1.0"):
+        OptimConfig(optimizer="sgd", momentum=1.0)
+    with pytest.raises(ValueError, match="applies to optimizer 'sgd' only"):
+        OptimConfig(momentum=0.9)

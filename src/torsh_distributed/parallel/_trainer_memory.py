@@ -28,7 +28,7 @@ from torsh_distributed.plan.memory import (
     transient_bytes,
 )
 
-__all__ = ["TrainerMemory", "predict_peak_rss", "for_table"]
+__all__ = ["TrainerMemory", "predict_peak_rss", "for_table", "planner_optimizer"]
 
 
 def predict_peak_rss(
@@ -41,15 +41,21 @@ def predict_peak_rss(
     stage: int,
     param_dtype: str,
     activations: int,
+    optimizer: str = "adam",
+    weight_decay: bool = True,
 ) -> dict[str, int]:
     """Predicted peak resident memory of one rank on CPU, by term.
 
     ``baseline`` (measured before the model exists) + model states (planner, FSDP2 layout) + the
     largest model-state transient (DDP buckets, or unsharded FSDP parameters) + activations saved
     for backward + the optimizer step's temporary (torch's foreach Adam allocates one
-    ``sqrt(v)`` buffer the size of the local state it steps).
+    ``sqrt(v)`` buffer the size of the local state it steps; foreach SGD with weight decay one
+    copy of the gradients, without none). ``optimizer`` is the planner's name (``adam``,
+    ``sgd``, ``sgd-plain``).
     """
-    states = model_state_bytes(num_params, dp, stage, dtype="fp32", layout="fsdp2")
+    states = model_state_bytes(
+        num_params, dp, stage, dtype="fp32", optimizer=optimizer, layout="fsdp2"
+    )
     transient = transient_bytes(
         stage,
         num_params=num_params,
@@ -63,10 +69,17 @@ def predict_peak_rss(
         "model_states": states.total,
         "transient": transient,
         "activations": activations,
-        "optimizer_temp": round(4 * local),
+        "optimizer_temp": round(4 * local) if optimizer == "adam" or weight_decay else 0,
     }
     terms["total"] = sum(terms.values())
     return terms
+
+
+def planner_optimizer(optim: Any) -> str:
+    """The planner's optimizer name for a trainer's ``OptimConfig``."""
+    if optim.optimizer == "adamw":
+        return "adam"
+    return "sgd" if optim.momentum else "sgd-plain"
 
 
 def for_table(summary: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +123,10 @@ class TrainerMemory:
         blocks = getattr(model, "blocks", [])
         block_params = sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0
         self._measured = measure_model_state(model, optimizer)
-        predicted = model_state_bytes(num_params, self._dp, stage, dtype="fp32", layout="fsdp2")
+        optimizer_kind = planner_optimizer(cfg.optim)
+        predicted = model_state_bytes(
+            num_params, self._dp, stage, dtype="fp32", optimizer=optimizer_kind, layout="fsdp2"
+        )
         self._predicted = predicted.to_dict()
         every = cfg.parallel.checkpoint_every
         checkpointed = len(range(0, cfg.model.n_layer, every)) if every else 0
@@ -133,6 +149,8 @@ class TrainerMemory:
             stage=stage,
             param_dtype=cfg.parallel.param_dtype,
             activations=acts,
+            optimizer=optimizer_kind,
+            weight_decay=cfg.optim.weight_decay > 0,
         )
         if main:
             m = self._measured

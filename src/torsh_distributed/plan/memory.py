@@ -50,7 +50,8 @@ __all__ = [
 ]
 
 DTYPES = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "sgd-plain")
+_STATE_BYTES = {"adam": 8, "sgd": 4, "sgd-plain": 0}
 OFFLOADS = ("none", "cpu")
 LAYOUTS = ("paper", "fsdp2")
 Layout = Literal["paper", "fsdp2"]
@@ -114,13 +115,14 @@ def bytes_per_param(
 
     Args:
         dtype: ``fp32``, or ``bf16``/``fp16`` for mixed precision with an fp32 master copy.
-        optimizer: ``adam`` (two moments) or ``sgd`` (with momentum: one).
+        optimizer: ``adam`` (two moments), ``sgd`` (with momentum: one) or ``sgd-plain`` (no
+            momentum: no state).
         layout: ``paper`` (the ZeRO paper's accounting) or ``fsdp2`` (what FSDP2 stores for
             stages 2 and 3: fp32 sharded parameters and gradients, the master copy is the
             parameter itself). Stages 0 and 1 are DDP-based and always fp32 here.
         stage: Only matters for ``layout="fsdp2"``.
     """
-    moments = 8 if optimizer == "adam" else 4
+    moments = _STATE_BYTES[optimizer]
     if layout == "fsdp2" and (stage >= 2 or dtype == "fp32"):
         return 4, 4, moments
     if dtype == "fp32":

@@ -19,7 +19,15 @@ from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
-__all__ = ["ModelConfig", "DataConfig", "OptimConfig", "TrainConfig", "PRESETS", "preset"]
+__all__ = [
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "OPTIMIZERS",
+    "PRESETS",
+    "preset",
+]
 
 
 def _positive(owner: str, name: str, value: float) -> None:
@@ -72,14 +80,24 @@ class DataConfig:
             raise ValueError(f"data.val_percent must be in (0, 100), got {self.val_percent}")
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    """AdamW with linear warm-up then cosine decay."""
+    """AdamW (or SGD) with linear warm-up then cosine decay."""
 
+    optimizer: str = "adamw"
+    """``adamw`` (betas 0.9, 0.95) or ``sgd`` (plain, or heavy-ball with ``momentum``). Error
+    feedback's guarantees are for SGD: sparse and sign compressors that lag under AdamW train
+    like uncompressed SGD (docs/compression.md)."""
+    momentum: float = 0.0
+    """SGD momentum in [0, 1) (0 = plain SGD); ``sgd`` only."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (SGD needs a larger one than AdamW: 0.5 for the tiny preset)."""
     weight_decay: float = 0.01
-    """AdamW decoupled weight decay (matrices only; biases and norms are not decayed)."""
+    """Weight decay of matrices only (biases and norms are not decayed): decoupled for AdamW,
+    L2 for SGD."""
     warmup_steps: int = 10
     """Steps of linear warm-up from 0 to ``lr``."""
     min_lr_ratio: float = 0.1
@@ -88,6 +106,17 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"optim.momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError(
+                f"optim.momentum applies to optimizer 'sgd' only (got {self.optimizer!r}, "
+                "whose moments are fixed)"
+            )
         _positive("optim", "lr", self.lr)
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")

@@ -104,6 +104,8 @@ def _optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimi
         {"params": decay, "weight_decay": optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if optim.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=True)
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(0.9, 0.95), foreach=True)
 
 

@@ -21,6 +21,8 @@ activations are stashed) is counted per rank: GPipe stashes ``m``, 1F1B at most 
 
 Prints a markdown table. Communication time is part of the measured bubble (the theory
 assumes free messages and equal stages), so on a loaded machine the measured value is higher.
+The busy imbalance column (most / least busy rank, the same stage work) shows how unequal the
+cores were during the row; ``bench_core_balance.py`` measures that for the bare cores.
 """
 
 from __future__ import annotations
@@ -156,32 +158,35 @@ def main() -> None:
     )
     print(
         "| schedule | v | bubble, mean of ranks | bubble, busiest rank | theory | mean/theory "
-        "| busiest/theory | peak stashed micro-batches (per rank) | step s |"
+        "| busiest/theory | busy imbalance | peak stashed micro-batches (per rank) | step s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in schedules:
         rows = [r[name] for r in results]
-        mean, busiest, step_s = _bubbles(rows)
+        mean, busiest, step_s, imbalance = _bubbles(rows)
         theory = rows[0]["theory"]
         peaks = ", ".join(str(int(r["peak"])) for r in rows)
         print(
             f"| {name} | {int(rows[0]['v'])} | {mean:.3f} | {busiest:.3f} | {theory:.3f} "
-            f"| {mean / theory:.2f} | {busiest / theory:.2f} | {peaks} | {step_s:.2f} |"
+            f"| {mean / theory:.2f} | {busiest / theory:.2f} | {imbalance:.3f} | {peaks} "
+            f"| {step_s:.2f} |"
         )
 
 
-def _bubbles(rows: list[dict[str, Any]]) -> tuple[float, float, float]:
+def _bubbles(rows: list[dict[str, Any]]) -> tuple[float, float, float, float]:
     """Per step, T = the slowest rank's step time (every rank starts at a barrier): the mean over
-    ranks of ``1 - busy / T`` and the busiest rank's ``1 - busy / T``; both averaged over steps."""
+    ranks of ``1 - busy / T``, the busiest rank's ``1 - busy / T``, T, and the busy imbalance
+    (most / least busy rank: the same stage work, so 1.0 on equal cores); averaged over steps."""
     steps = len(rows[0]["wall"])
-    mean = busiest = total = 0.0
+    mean = busiest = total = imbalance = 0.0
     for i in range(steps):
         t = max(r["wall"][i] for r in rows)
         busy = [r["busy"][i] for r in rows]
         mean += sum(1.0 - b / t for b in busy) / len(busy)
         busiest += 1.0 - max(busy) / t
         total += t
-    return mean / steps, busiest / steps, total / steps
+        imbalance += max(busy) / min(busy)
+    return mean / steps, busiest / steps, total / steps, imbalance / steps
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,10 @@ is the ``"compression"`` entry of the run summary; ``stateful`` is the object wh
 With ``--comm.algorithm`` the compression hook (DDP takes one) sums its summable payloads through
 the facade with that algorithm, and :class:`~torsh_distributed.comm.trainer.TrainerComm`
 registers no hook of its own.
+
+The model-parallel loop has no DDP: ``attach_flat(group)`` builds the same hook state for its one
+flat data-parallel exchange of the local gradient shards, which ``reduce_flat`` runs (accounting,
+warm-up, error state, checkpoints and the summary as with DDP); ``observe_loss`` feeds ``auto``.
 """
 
 from __future__ import annotations
@@ -86,9 +90,7 @@ class TrainerCompression:
 
     def attach(self, model: nn.Module, base: nn.Module) -> None:
         """Register the compression hook on ``model`` (the DDP wrapper of ``base``)."""
-        if self._token is not None:
-            ddp._OPTIONS.reset(self._token)
-            self._token = None
+        self._release_ddp_options()
         if not self.section.enabled:
             if isinstance(model, nn.parallel.DistributedDataParallel):
                 self._count_dense_steps(model, base)
@@ -130,6 +132,47 @@ class TrainerCompression:
         device = next(base.parameters()).device
         tokens = torch.zeros((1, 2), dtype=torch.long, device=device)  # 2 tokens reach every weight
         prime_buckets(model, lambda: model(tokens, tokens)[1])
+
+    def attach_flat(self, group: Any) -> None:
+        """Model-parallel loop: compress its flat gradient exchange over the data-parallel
+        ``group`` (see :meth:`reduce_flat`). A no-op for ``none``; ``group=None`` (dp 1: no
+        exchange) warns that compression is ignored."""
+        self._release_ddp_options()
+        if not self.section.enabled:
+            return
+        if group is None:
+            warnings.warn(
+                f"--compression {self.section.method} is ignored with dp 1: there is no "
+                "data-parallel gradient exchange to compress",
+                stacklevel=2,
+            )
+            return
+        compressor = build_compressor(
+            self.section.method,
+            error_feedback=self.section.ef,
+            stochastic_rounding=self.section.stochastic_rounding,
+            seed=self.config.seed,
+        )
+        # no ``positions``: the flat exchange always holds the same shards in the same order
+        self.hook = CompressionHook(compressor, group=group, warmup_steps=self.section.warmup_steps)
+
+    def reduce_flat(self, flat: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The mean over the data-parallel group of ``flat`` (this rank's local gradient shards,
+        concatenated), as the method transmits it; ``grads`` give the shards' shapes."""
+        if self.hook is None:
+            raise RuntimeError("reduce_flat needs attach_flat() with a compression method")
+        return self.hook.run(_FlatBucket(flat, grads)).wait()
+
+    def observe_loss(self, loss: float) -> None:
+        """Feed a training loss to ``auto``'s instability back-off (a no-op for fixed methods)."""
+        observe = getattr(self.hook.compressor, "observe_loss", None) if self.hook else None
+        if observe is not None:
+            observe(loss)
+
+    def _release_ddp_options(self) -> None:
+        if self._token is not None:
+            ddp._OPTIONS.reset(self._token)
+            self._token = None
 
     def _count_dense_steps(self, model: nn.Module, base: nn.Module) -> None:
         """``none`` installs no hook (DDP's own all-reduce); count training forwards instead."""
@@ -176,6 +219,25 @@ class TrainerCompression:
         if decisions:
             out["decisions"] = list(decisions)
         return out
+
+
+class _FlatBucket:
+    """The part of ``dist.GradBucket`` that :class:`CompressionHook` reads, for one flat tensor."""
+
+    def __init__(self, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        self._flat, self._grads = flat, grads
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def index(self) -> int:
+        return 0
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._grads  # shapes of the local shards (PowerSGD's matrices)
+
+    def is_last(self) -> bool:
+        return True
 
 
 def _facade_sum(algorithm: str, group: Any) -> Callable[[torch.Tensor, Any], None] | None:

@@ -13,9 +13,11 @@ ranks write disjoint parts of one model, and DCP can load it at another pipeline
 degree; a different tensor-parallel degree is refused (the fused ``qkv`` rows are stored in the
 TP order). Monitoring (``--monitor`` and its report, metrics, dashboard, alerts) works as in the
 data-parallel loop; a pipeline step's forward and backward interleave, so both count as
-``backward``, and the gradient all-reduces over ``tp``/``dp`` as ``comm_wait``. Features of the
-data-parallel loop that this loop does not drive (compression, comm hooks, memory report) are
-warned about when they are set.
+``backward``, and the gradient all-reduces over ``tp``/``dp`` as ``comm_wait``. Gradient
+compression (``--compression``) applies to the ``dp`` exchange of the local gradient shards, with
+the DDP loop's accounting, warm-up, error state (saved in checkpoints) and summary; it needs
+dp > 1 and ZeRO stage 0. Features of the data-parallel loop that this loop does not drive
+(comm algorithms and hooks, memory report) are warned about when they are set.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _warn_ignored(config: TrainConfig) -> None:
     from torsh_distributed.train.config import TrainConfig as Fresh
 
     default = Fresh()
-    for section in ("compression", "comm"):
+    for section in ("comm",):
         if getattr(config, section) != getattr(default, section):
             warnings.warn(
                 f"the {section} section is ignored with parallel.tp/pp > 1 (model-parallel loop)",
@@ -166,6 +168,10 @@ def train_model_parallel(
         shard(model, loss_parallel=use_loss_parallel)
         params, holder = list(model.parameters()), model
     del model
+    from torsh_distributed.compression.trainer import TrainerCompression
+
+    compression = TrainerCompression(config)  # validates (ZeRO stage 0 only)
+    compression.attach_flat(dp_group if dims.dp > 1 and not fsdp else None)
     optimizer = _optimizer(holder, config.optim)
     if dims.tp > 1 and not fsdp:  # foreach kernels reject lists mixing DTensor and plain tensors
         for group in optimizer.param_groups:
@@ -179,6 +185,7 @@ def train_model_parallel(
         optimizer=optimizer,
         num_train_tokens=corpus.train.numel(),
         layout={"tp": dims.tp} if dims.tp > 1 else None,  # qkv rows in TP order
+        rank_state={"compression": compression.stateful},  # residuals, PowerSGD factors
     )
     start_step, losses = ckpt.resume()
 
@@ -256,7 +263,8 @@ def train_model_parallel(
         if dims.tp > 1:  # sequence-parallel norms' Partial gradients: one all-reduce over tp
             reduce_partial_grads(params)
         if not fsdp:  # FSDP2 reduce-scatters (averages) the gradients over dp itself
-            sync_grads(params, dp_group, dims.dp)
+            reduce = compression.reduce_flat if compression.hook is not None else None
+            sync_grads(params, dp_group, dims.dp, reduce=reduce)
         monitor.phase("comm_wait")
         grad_norm = None
         if config.optim.grad_clip:
@@ -268,6 +276,7 @@ def train_model_parallel(
                 f"loss became {global_loss} at step {step + 1}; lower --lr (now {config.optim.lr})"
             )
         losses.append(global_loss)
+        compression.observe_loss(global_loss)
         monitor.step_end(step + 1, loss=global_loss, lr=lr, grad_norm=grad_norm)
         loop_time += time.perf_counter() - t0
         ckpt.step_end(step + 1, losses)  # save if due
@@ -304,6 +313,7 @@ def train_model_parallel(
         backend=runtime.backend,
         checkpoint=ckpt.summary(),
         monitor=monitor_report,
+        compression=compression.summary() if compression.hook is not None else {},
     )
     if runtime.is_main:
         print(format_summary(result.summary()), flush=True)

@@ -35,7 +35,7 @@ locally (no communication; the backward all-gathers its gradient, identical on e
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -275,11 +275,21 @@ def reduce_partial_grads(params: Iterable[nn.Parameter]) -> None:
             offset += t.numel()
 
 
-def sync_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, size: int) -> None:
+def sync_grads(
+    params: Iterable[nn.Parameter],
+    group: dist.ProcessGroup | None,
+    size: int,
+    *,
+    reduce: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor] | None = None,
+) -> None:
     """Average gradients over a data-parallel ``group`` of ``size`` ranks (one flat all-reduce).
 
     DTensor gradients are reduced through their local shards: the ``dp`` axis is orthogonal to
     the axes they are sharded over.
+
+    Args:
+        reduce: Replaces the all-reduce: ``reduce(flat, local_grads)`` returns the mean of
+            ``flat`` over the group (gradient compression; ``local_grads`` give the shapes).
     """
     if size <= 1:
         return
@@ -287,8 +297,11 @@ def sync_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, 
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= size
+    if reduce is not None:
+        flat = reduce(flat, grads)
+    else:
+        dist.all_reduce(flat, group=group)
+        flat /= size
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

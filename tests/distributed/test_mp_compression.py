@@ -1,0 +1,74 @@
+"""Gradient compression in the model-parallel loop (dp x tp x pp, 4 ranks).
+
+The ``dp`` exchange of the local gradient shards runs through the same hook state as DDP's:
+
+* dp2 x tp2 with fp16 follows uncompressed training to fp16 rounding and sends half the bytes;
+  powersgd:2 (matrices of the local TP shards) sends less and trains;
+* dp2 x pp2 with topk:0.1: 2N steps straight == N steps, resume, N steps, bit for bit (the
+  residuals are in the checkpoint: without them the resumed steps differ).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torsh_distributed.checkpoint import step_dir_name
+from torsh_distributed.testing import run_distributed
+from torsh_distributed.train import TrainConfig, preset, train
+
+N = 3
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _config(method: str, parallel: dict, directory: Path | None = None, **checkpoint) -> TrainConfig:
+    cfg = preset("tiny")
+    cfg.max_steps = 2 * N
+    cfg.batch_size = 8
+    cfg.progress = False
+    cfg.eval_batches = 1
+    cfg.data.max_bytes = 200_000
+    cfg.model.n_layer = 4
+    cfg.model.block_size = 32
+    cfg.model.d_model = 32
+    cfg.compression.method = method
+    if directory is not None:
+        cfg.checkpoint.dir = str(directory)
+        cfg.checkpoint.every = N
+        cfg.checkpoint.keep_last = 0
+        for key, value in checkpoint.items():
+            setattr(cfg.checkpoint, key, value)
+    data = cfg.to_dict()
+    data["parallel"] = parallel
+    return TrainConfig.from_dict(data)
+
+
+def _cases(root: str) -> dict:
+    base, out = Path(root), {}
+    tp = {"dp": 2, "tp": 2}
+    for method in ("none", "fp16", "powersgd:2"):
+        r = train(_config(method, tp))
+        out[method] = (r.losses, r.compression)
+    pp = {"dp": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}
+    straight = train(_config("topk:0.1", pp, base / "a"))
+    half = base / "a" / step_dir_name(N)
+    resumed = train(_config("topk:0.1", pp, base / "b", resume=str(half)))
+    out["topk"] = (straight.losses, resumed.losses, straight.compression)
+    return out
+
+
+def test_compression_in_the_model_parallel_loop(tmp_path):
+    r = run_distributed(_cases, 4, args=(str(tmp_path),), timeout=400)[0]
+    none, _ = r["none"]
+    fp16, fp16_c = r["fp16"]
+    assert fp16 == pytest.approx(none, rel=1e-3)
+    assert fp16_c["method"] == "fp16" and fp16_c["ratio"] == pytest.approx(2.0, rel=1e-3)
+    assert fp16_c["steps"] == 2 * N
+    psgd, psgd_c = r["powersgd:2"]
+    assert psgd_c["bytes_sent"] < psgd_c["bytes_uncompressed"] / 2
+    assert psgd[-1] < psgd[0]
+    straight, resumed, topk_c = r["topk"]
+    assert topk_c["ratio"] > 2 and topk_c["steps"] == 2 * N
+    assert resumed == straight, "losses differ after resuming with the compressor state"

@@ -215,7 +215,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default="adam",
-        help="adam (two moments) or sgd (with momentum)",
+        help="adam (two moments), sgd (with momentum: one) or sgd-plain (no state)",
     )
     parser.add_argument(
         "--offload",

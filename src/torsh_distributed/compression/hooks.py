@@ -149,10 +149,10 @@ class CompressionHook:
         known = self.layouts.get(bucket.index())
         if known is not None and known != layout:
             warnings.warn(
-                f"compression {self.method}: DDP's gradient bucket {bucket.index()} changed its "
-                "parameters (re-bucketing); the compressor state (residuals, factors) is reset "
-                "rather than applied to other parameters. Call prime_buckets() before training "
-                "to re-bucket first.",
+                f"compression {self.method}: gradient bucket {bucket.index()} changed its "
+                "parameters (DDP re-bucketing, or a resume with another pipeline split); the "
+                "compressor state (residuals, factors) is reset rather than applied to other "
+                "parameters. With DDP, call prime_buckets() before training to re-bucket first.",
                 stacklevel=3,
             )
             self.compressor.load_state_dict(copy.deepcopy(self._fresh))
@@ -181,7 +181,7 @@ class CompressionHook:
         else:
             comm = Comm(group=self.group, allreduce_fn=self.allreduce_fn)
             timer = Timer()
-            shapes = [p.shape for p in bucket.parameters()]
+            shapes = [_local_shape(p) for p in bucket.parameters()]
             out = compressor.reduce(
                 buffer.reshape(-1), comm, key=bucket.index(), timer=timer, shapes=shapes
             )
@@ -248,6 +248,12 @@ class CompressionHook:
         self.layouts = {
             int(k): tuple(int(i) for i in v) for k, v in state.get("layouts", {}).items()
         }
+
+
+def _local_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's shape on this rank (a DTensor's local shard: the model-parallel loop)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local().shape if callable(to_local) else p.shape
 
 
 def compression_hook(

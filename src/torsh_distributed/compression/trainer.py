@@ -25,6 +25,7 @@ from contextvars import Token
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
@@ -70,7 +71,7 @@ class TrainerCompression:
         self._dense_bytes = 0
         self._dense_steps = 0
         s = self.section
-        options = ddp.DDPOptions(
+        self._options = options = ddp.DDPOptions(
             bucket_cap_mb=s.bucket_cap_mb,
             first_bucket_mb=s.first_bucket_mb,
             static_graph=s.static_graph,
@@ -133,13 +134,27 @@ class TrainerCompression:
         tokens = torch.zeros((1, 2), dtype=torch.long, device=device)  # 2 tokens reach every weight
         prime_buckets(model, lambda: model(tokens, tokens)[1])
 
-    def attach_flat(self, group: Any) -> None:
+    def attach_flat(
+        self, group: dist.ProcessGroup | None, *, positions: dict[int, int] | None = None
+    ) -> None:
         """Model-parallel loop: compress its flat gradient exchange over the data-parallel
         ``group`` (see :meth:`reduce_flat`). A no-op for ``none``; ``group=None`` (dp 1: no
-        exchange) warns that compression is ignored."""
+        exchange) warns that compression is ignored.
+
+        Args:
+            positions: ``id(parameter) -> index`` in the whole model's parameter order; the hook
+                records which parameters its state belongs to and resets state saved for others
+                (a resume with another pipeline split or schedule), as with DDP's buckets.
+        """
         self._release_ddp_options()
         if not self.section.enabled:
             return
+        if self._options != ddp.DDPOptions():
+            warnings.warn(
+                "compression.* DDP options (bucket sizes, static graph, unused parameters, ...) "
+                "are ignored by the model-parallel loop: it has no DDP wrapper",
+                stacklevel=2,
+            )
         if group is None:
             warnings.warn(
                 f"--compression {self.section.method} is ignored with dp 1: there is no "
@@ -153,15 +168,16 @@ class TrainerCompression:
             stochastic_rounding=self.section.stochastic_rounding,
             seed=self.config.seed,
         )
-        # no ``positions``: the flat exchange always holds the same shards in the same order
-        self.hook = CompressionHook(compressor, group=group, warmup_steps=self.section.warmup_steps)
+        self.hook = CompressionHook(
+            compressor, group=group, warmup_steps=self.section.warmup_steps, positions=positions
+        )
 
-    def reduce_flat(self, flat: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The mean over the data-parallel group of ``flat`` (this rank's local gradient shards,
-        concatenated), as the method transmits it; ``grads`` give the shards' shapes."""
+    def reduce_flat(self, flat: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
+        """The mean over the data-parallel group of ``flat`` (the local gradient shards of
+        ``params``, concatenated), as the method transmits it."""
         if self.hook is None:
             raise RuntimeError("reduce_flat needs attach_flat() with a compression method")
-        return self.hook.run(_FlatBucket(flat, grads)).wait()
+        return self.hook.run(_FlatBucket(flat, params)).wait()  # type: ignore[arg-type]
 
     def observe_loss(self, loss: float) -> None:
         """Feed a training loss to ``auto``'s instability back-off (a no-op for fixed methods)."""
@@ -224,8 +240,8 @@ class TrainerCompression:
 class _FlatBucket:
     """The part of ``dist.GradBucket`` that :class:`CompressionHook` reads, for one flat tensor."""
 
-    def __init__(self, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        self._flat, self._grads = flat, grads
+    def __init__(self, flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+        self._flat, self._params = flat, params
 
     def buffer(self) -> torch.Tensor:
         return self._flat
@@ -233,8 +249,8 @@ class _FlatBucket:
     def index(self) -> int:
         return 0
 
-    def parameters(self) -> list[torch.Tensor]:
-        return self._grads  # shapes of the local shards (PowerSGD's matrices)
+    def parameters(self) -> list[nn.Parameter]:
+        return self._params  # layout (ids) and, through their local shards, PowerSGD's shapes
 
     def is_last(self) -> bool:
         return True

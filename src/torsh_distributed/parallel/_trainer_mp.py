@@ -39,6 +39,7 @@ from torsh_distributed.parallel.pipeline import build_pipeline, check_pipeline
 from torsh_distributed.parallel.sharded import apply_fsdp
 from torsh_distributed.parallel.tensor import (
     apply_tp,
+    average_replicated_grads,
     check_tp,
     clip_grad_norm_,
     reduce_partial_grads,
@@ -148,6 +149,7 @@ def train_model_parallel(
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = GPT(config.model).to(device)
     total_params = model.num_params()
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     use_loss_parallel = dims.pp == 1 and dims.tp > 1
     pipe = None
     if dims.pp > 1:
@@ -170,8 +172,12 @@ def train_model_parallel(
     del model
     from torsh_distributed.compression.trainer import TrainerCompression
 
+    whole = pipe.state_module() if pipe is not None else holder  # the whole model's names
     compression = TrainerCompression(config)  # validates (ZeRO stage 0 only)
-    compression.attach_flat(dp_group if dims.dp > 1 and not fsdp else None)
+    compression.attach_flat(
+        dp_group if dims.dp > 1 and not fsdp else None,
+        positions={id(p): order.get(name, -1) for name, p in whole.named_parameters()},
+    )
     optimizer = _optimizer(holder, config.optim)
     if dims.tp > 1 and not fsdp:  # foreach kernels reject lists mixing DTensor and plain tensors
         for group in optimizer.param_groups:
@@ -181,7 +187,7 @@ def train_model_parallel(
 
     ckpt = TrainerCheckpoint(
         config,
-        model=pipe.state_module() if pipe is not None else holder,  # the whole model's names
+        model=whole,
         optimizer=optimizer,
         num_train_tokens=corpus.train.numel(),
         layout={"tp": dims.tp} if dims.tp > 1 else None,  # qkv rows in TP order
@@ -265,6 +271,8 @@ def train_model_parallel(
         if not fsdp:  # FSDP2 reduce-scatters (averages) the gradients over dp itself
             reduce = compression.reduce_flat if compression.hook is not None else None
             sync_grads(params, dp_group, dims.dp, reduce=reduce)
+            if reduce is not None and dims.tp > 1:  # compression saw different shards per tp rank
+                average_replicated_grads(params, dims.group("tp"), dims.tp)
         monitor.phase("comm_wait")
         grad_norm = None
         if config.optim.grad_clip:

@@ -57,6 +57,7 @@ __all__ = [
     "clip_grad_norm_",
     "reduce_partial_grads",
     "sync_grads",
+    "average_replicated_grads",
 ]
 
 
@@ -280,7 +281,7 @@ def sync_grads(
     group: dist.ProcessGroup | None,
     size: int,
     *,
-    reduce: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor] | None = None,
+    reduce: Callable[[torch.Tensor, list[nn.Parameter]], torch.Tensor] | None = None,
 ) -> None:
     """Average gradients over a data-parallel ``group`` of ``size`` ranks (one flat all-reduce).
 
@@ -288,17 +289,28 @@ def sync_grads(
     the axes they are sharded over.
 
     Args:
-        reduce: Replaces the all-reduce: ``reduce(flat, local_grads)`` returns the mean of
-            ``flat`` over the group (gradient compression; ``local_grads`` give the shapes).
+        reduce: Replaces the all-reduce: ``reduce(flat, owners)`` returns the mean of ``flat``
+            (the local gradients of ``owners``, concatenated) over the group (compression).
     """
     if size <= 1:
         return
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    owners = [p for p in params if p.grad is not None]
+    mean = None if reduce is None else (lambda flat: reduce(flat, owners))
+    _mean_flat([_local(p.grad) for p in owners], group, size, mean)
+
+
+def _mean_flat(
+    grads: list[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    size: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Replace ``grads`` by their mean over ``group`` through one flat buffer (or ``reduce``)."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     if reduce is not None:
-        flat = reduce(flat, grads)
+        flat = reduce(flat)
     else:
         dist.all_reduce(flat, group=group)
         flat /= size
@@ -306,6 +318,30 @@ def sync_grads(
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+@torch.no_grad()
+def average_replicated_grads(
+    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, size: int
+) -> None:
+    """Average over the ``tp`` ``group`` the gradients of parameters every rank of it holds whole.
+
+    Needed after a *compressed* data-parallel exchange (:func:`sync_grads` with ``reduce``):
+    TopK, int8, scaled sign and ``auto`` pick or scale over the whole flat tensor, which holds
+    different TP shards on each tp rank, so the replicated parameters' gradients (norms, biases of
+    row-parallel layers, position embedding) come back slightly different per tp rank, and the
+    replicas would drift apart. One flat all-reduce makes them equal again (uncompressed exchanges
+    never differ; skip it then). Call it on every rank of the group with the same list.
+    """
+    if size <= 1:
+        return
+    grads = [
+        _local(p.grad)
+        for p in params
+        if p.grad is not None
+        and not (isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements))
+    ]
+    _mean_flat(grads, group, size)
 
 
 @torch.no_grad()

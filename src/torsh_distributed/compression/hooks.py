@@ -27,7 +27,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch import nn
 from torsh_distributed.compression.base import Comm, Compressor, Identity, Timer
 
 __all__ = [
+    "Bucket",
     "CompressionHook",
     "StepStats",
     "compression_hook",
@@ -45,6 +46,19 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class Bucket(Protocol):
+    """What :meth:`CompressionHook.run` reads of a gradient bucket: DDP's ``dist.GradBucket``,
+    or the model-parallel loop's one flat exchange."""
+
+    def buffer(self) -> torch.Tensor: ...
+
+    def index(self) -> int: ...
+
+    def parameters(self) -> list[torch.Tensor]: ...
+
+    def is_last(self) -> bool: ...
 
 _ATTR = "_torsh_compression"
 
@@ -141,7 +155,7 @@ class CompressionHook:
         w = self._world
         return int(2 * (w - 1) / w * nbytes) if w > 1 else 0
 
-    def _check_layout(self, bucket: dist.GradBucket) -> None:
+    def _check_layout(self, bucket: Bucket) -> None:
         """Record the bucket's layout; reset the compressor's state if it changed."""
         if not self.positions:
             return
@@ -159,7 +173,7 @@ class CompressionHook:
             self.layouts = {}
         self.layouts[bucket.index()] = layout
 
-    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def run(self, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         if self.passthrough:
             w = self._world

@@ -177,7 +177,7 @@ class TrainerCompression:
         ``params``, concatenated), as the method transmits it."""
         if self.hook is None:
             raise RuntimeError("reduce_flat needs attach_flat() with a compression method")
-        return self.hook.run(_FlatBucket(flat, params)).wait()  # type: ignore[arg-type]
+        return self.hook.run(_FlatBucket(flat, params)).wait()
 
     def observe_loss(self, loss: float) -> None:
         """Feed a training loss to ``auto``'s instability back-off (a no-op for fixed methods)."""
@@ -238,7 +238,7 @@ class TrainerCompression:
 
 
 class _FlatBucket:
-    """The part of ``dist.GradBucket`` that :class:`CompressionHook` reads, for one flat tensor."""
+    """A :class:`~torsh_distributed.compression.hooks.Bucket` of one flat tensor (no DDP)."""
 
     def __init__(self, flat: torch.Tensor, params: list[nn.Parameter]) -> None:
         self._flat, self._params = flat, params
@@ -249,8 +249,8 @@ class _FlatBucket:
     def index(self) -> int:
         return 0
 
-    def parameters(self) -> list[nn.Parameter]:
-        return self._params  # layout (ids) and, through their local shards, PowerSGD's shapes
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)  # layout (ids) and, through their local shards, PowerSGD's shapes
 
     def is_last(self) -> bool:
         return True

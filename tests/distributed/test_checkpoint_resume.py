@@ -14,6 +14,7 @@ import torch
 
 from torsh_distributed.checkpoint import CheckpointManager, step_dir_name
 from torsh_distributed.testing import run_distributed
+from torsh_distributed.testing.configs import with_checkpoints
 from torsh_distributed.train import TrainConfig, preset, train
 from torsh_distributed.train.model import GPT
 
@@ -30,12 +31,7 @@ def _config(directory: Path, **checkpoint) -> dict:
     cfg.eval_batches = 1
     cfg.data.max_bytes = 200_000
     cfg.model.block_size = 32
-    cfg.checkpoint.dir = str(directory)
-    cfg.checkpoint.every = N
-    cfg.checkpoint.keep_last = 0
-    for key, value in checkpoint.items():
-        setattr(cfg.checkpoint, key, value)
-    return cfg.to_dict()
+    return with_checkpoints(cfg, directory, **{"every": N, **checkpoint}).to_dict()
 
 
 def _train(config_dict: dict) -> dict:

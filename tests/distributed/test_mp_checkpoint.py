@@ -15,7 +15,8 @@ import pytest
 
 from torsh_distributed.checkpoint import step_dir_name
 from torsh_distributed.testing import run_distributed
-from torsh_distributed.train import TrainConfig, preset, train
+from torsh_distributed.testing.configs import small_config, with_checkpoints
+from torsh_distributed.train import TrainConfig, train
 
 N = 3  # checkpoint interval; runs are 2N steps
 
@@ -23,20 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _config(directory: Path, parallel: dict, **checkpoint) -> TrainConfig:
-    cfg = preset("tiny")
-    cfg.max_steps = 2 * N
-    cfg.batch_size = 8
-    cfg.progress = False
-    cfg.eval_batches = 1
-    cfg.data.max_bytes = 200_000
-    cfg.model.n_layer = 4
-    cfg.model.block_size = 32
-    cfg.model.d_model = 32
-    cfg.checkpoint.dir = str(directory)
-    cfg.checkpoint.every = N
-    cfg.checkpoint.keep_last = 0
-    for key, value in checkpoint.items():
-        setattr(cfg.checkpoint, key, value)
+    cfg = with_checkpoints(small_config(2 * N), directory, every=N, **checkpoint)
     data = cfg.to_dict()
     data["parallel"] = parallel
     return TrainConfig.from_dict(data)

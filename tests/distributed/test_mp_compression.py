@@ -18,7 +18,8 @@ import pytest
 
 from torsh_distributed.checkpoint import step_dir_name
 from torsh_distributed.testing import run_distributed
-from torsh_distributed.train import TrainConfig, preset, train
+from torsh_distributed.testing.configs import small_config, with_checkpoints
+from torsh_distributed.train import TrainConfig, train
 
 N = 3
 
@@ -26,22 +27,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _config(method: str, parallel: dict, directory: Path | None = None, **checkpoint) -> TrainConfig:
-    cfg = preset("tiny")
-    cfg.max_steps = 2 * N
-    cfg.batch_size = 8
-    cfg.progress = False
-    cfg.eval_batches = 1
-    cfg.data.max_bytes = 200_000
-    cfg.model.n_layer = 4
-    cfg.model.block_size = 32
-    cfg.model.d_model = 32
+    cfg = small_config(2 * N)
     cfg.compression.method = method
     if directory is not None:
-        cfg.checkpoint.dir = str(directory)
-        cfg.checkpoint.every = N
-        cfg.checkpoint.keep_last = 0
-        for key, value in checkpoint.items():
-            setattr(cfg.checkpoint, key, value)
+        with_checkpoints(cfg, directory, every=N, **checkpoint)
     data = cfg.to_dict()
     data["parallel"] = parallel
     return TrainConfig.from_dict(data)

@@ -19,22 +19,14 @@ from torsh_distributed.parallel._trainer_mp import check_model_parallel
 from torsh_distributed.parallel.config import ParallelConfig
 from torsh_distributed.parallel.tensor import check_tp, qkv_permutation
 from torsh_distributed.testing import run_distributed
-from torsh_distributed.train import TrainConfig, preset, train
+from torsh_distributed.testing.configs import small_config
+from torsh_distributed.train import TrainConfig, train
 
 REL = 1e-4
 
 
 def _config(steps: int = 4) -> dict:
-    cfg = preset("tiny")
-    cfg.max_steps = steps
-    cfg.batch_size = 8
-    cfg.progress = False
-    cfg.eval_batches = 1
-    cfg.data.max_bytes = 200_000
-    cfg.model.n_layer = 4
-    cfg.model.block_size = 32
-    cfg.model.d_model = 32
-    return cfg.to_dict()
+    return small_config(steps).to_dict()
 
 
 def _run(variants: dict[str, dict]) -> dict[str, tuple[list[float], float]]:

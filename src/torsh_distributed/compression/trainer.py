@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torsh_distributed.compression.base import Compressor
 from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
 from torsh_distributed.compression.spec import build_compressor, parse_spec
 from torsh_distributed.parallel import data as ddp
@@ -103,12 +104,7 @@ class TrainerCompression:
                 stacklevel=2,
             )
             return
-        compressor = build_compressor(
-            self.section.method,
-            error_feedback=self.section.ef,
-            stochastic_rounding=self.section.stochastic_rounding,
-            seed=self.config.seed,
-        )
+        compressor = self._compressor()
         self.hook = hook = register_compression(
             model,
             compressor,
@@ -162,12 +158,7 @@ class TrainerCompression:
                 stacklevel=2,
             )
             return
-        compressor = build_compressor(
-            self.section.method,
-            error_feedback=self.section.ef,
-            stochastic_rounding=self.section.stochastic_rounding,
-            seed=self.config.seed,
-        )
+        compressor = self._compressor()
         self.hook = CompressionHook(
             compressor, group=group, warmup_steps=self.section.warmup_steps, positions=positions
         )
@@ -184,6 +175,15 @@ class TrainerCompression:
         observe = getattr(self.hook.compressor, "observe_loss", None) if self.hook else None
         if observe is not None:
             observe(loss)
+
+    def _compressor(self) -> Compressor:
+        s = self.section
+        return build_compressor(
+            s.method,
+            error_feedback=s.ef,
+            stochastic_rounding=s.stochastic_rounding,
+            seed=self.config.seed,
+        )
 
     def _release_ddp_options(self) -> None:
         if self._token is not None:

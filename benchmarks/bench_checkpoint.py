@@ -36,7 +36,7 @@ from torsh_distributed.checkpoint import CheckpointManager
 from torsh_distributed.parallel.data import apply_ddp
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import preset
-from torsh_distributed.train.model import GPT
+from torsh_distributed.models.gpt import GPT
 
 
 def _stall_job(preset_name: str, saves: int, directory: str) -> dict:

@@ -41,8 +41,8 @@ def _worker(args: argparse.Namespace) -> None:
     from torsh_distributed.compression.adaptive import Adaptive
     from torsh_distributed.parallel.data import apply_ddp
     from torsh_distributed.train.config import DataConfig, ModelConfig
-    from torsh_distributed.train.data import load_corpus, sample_batch
-    from torsh_distributed.train.model import GPT
+    from torsh_distributed.data.corpus import load_corpus, sample_batch
+    from torsh_distributed.models.gpt import GPT
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

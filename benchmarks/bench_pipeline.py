@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torsh_distributed.parallel.pipeline import build_pipeline, lm_loss
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.train.model import GPT
+from torsh_distributed.models.gpt import GPT
 
 
 class _Meter:

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torsh_distributed.parallel.tensor import apply_tp, reduce_partial_grads
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.train.model import GPT
+from torsh_distributed.models.gpt import GPT
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torsh_distributed.parallel.data import DDPOptions, apply_ddp, ddp_options
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig, preset, train
 from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.train.model import GPT
+from torsh_distributed.models.gpt import GPT
 
 # Methods at the settings this CI budget (200 steps of a 137 k-parameter model, validation loss,
 # seed 1234) takes to within 3 % of uncompressed; see docs/compression.md for other seeds.

@@ -105,7 +105,7 @@ def _split_step(split_points: list[int]) -> tuple[float, float, float]:
 
     from torsh_distributed.parallel.pipeline import build_pipeline
     from torsh_distributed.train.config import ModelConfig
-    from torsh_distributed.train.model import GPT
+    from torsh_distributed.models.gpt import GPT
 
     cfg = ModelConfig(block_size=16, n_layer=3, n_head=2, d_model=32)
     torch.manual_seed(0)

@@ -51,7 +51,7 @@ def _grad_errors(sequence_parallel: bool) -> dict[str, tuple[float, bool]]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from torsh_distributed.parallel.tensor import apply_tp, reduce_partial_grads
-    from torsh_distributed.train.model import GPT
+    from torsh_distributed.models.gpt import GPT
 
     model_cfg = TrainConfig.from_dict(_config()).model
     model_cfg.n_layer = 2

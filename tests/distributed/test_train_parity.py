@@ -115,7 +115,7 @@ def _accumulated_grads() -> dict[str, float]:
     from torsh_distributed.parallel.precision import LossScaler
     from torsh_distributed.train.config import ModelConfig
     from torsh_distributed.train.loop import _accumulate
-    from torsh_distributed.train.model import GPT
+    from torsh_distributed.models.gpt import GPT
 
     torch.manual_seed(0)
     cfg = ModelConfig(block_size=16, n_layer=1, n_head=2, d_model=32)

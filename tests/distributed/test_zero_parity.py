@@ -132,7 +132,7 @@ def _uneven(config: dict) -> list[dict]:
     data = json.loads(json.dumps(config))
     data["parallel"] = {"zero_stage": 3}
     result = train(TrainConfig.from_dict(data))
-    from torsh_distributed.train.model import GPT
+    from torsh_distributed.models.gpt import GPT
 
     shapes = [tuple(p.shape) for p in GPT(TrainConfig.from_dict(data).model).parameters()]
     return [result.memory, shapes]

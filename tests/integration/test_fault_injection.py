@@ -31,7 +31,7 @@ from torsh_distributed.elastic.health import (
 )
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig
-from torsh_distributed.train.model import GPT
+from torsh_distributed.models.gpt import GPT
 
 CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 EVERY, STEPS = 3, 10

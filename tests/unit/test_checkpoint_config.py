@@ -21,7 +21,7 @@ from torsh_distributed.cli.main import build_parser
 from torsh_distributed.cli.train import config_from_args
 from torsh_distributed.runtime.errors import CheckpointError
 from torsh_distributed.train import preset
-from torsh_distributed.train.data import sample_batch
+from torsh_distributed.data.corpus import sample_batch
 
 
 def test_defaults_keep_checkpointing_off():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torsh_distributed.train.config import DataConfig
-from torsh_distributed.train.data import load_corpus, sample_batch
+from torsh_distributed.data.corpus import load_corpus, sample_batch
 
 
 def test_corpus_is_deterministic_and_split():

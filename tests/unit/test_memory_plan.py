@@ -21,7 +21,7 @@ from torsh_distributed.plan import (
     plan_memory,
 )
 from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.train.model import GPT, Block
+from torsh_distributed.models.gpt import GPT, Block
 
 
 def test_zero_paper_example_bytes():

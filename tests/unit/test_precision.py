@@ -11,7 +11,7 @@ import torch
 from torsh_distributed.parallel.config import ParallelConfig
 from torsh_distributed.parallel.precision import LossScaler, apply_autocast, needs_grad_scaling
 from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.train.model import GPT
+from torsh_distributed.models.gpt import GPT
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -2,7 +2,7 @@
 
 Everything here is plain JSON (byte states as base64) so that loading it can never execute code.
 
-Data position. The trainer's sampler (:func:`torsh_distributed.train.data.sample_batch`) is a
+Data position. The trainer's sampler (:func:`torsh_distributed.data.corpus.sample_batch`) is a
 pure function of ``(seed, step, global batch)``: the global batch of a step is drawn once and rank
 ``r`` of ``n`` takes an equal slice of it. The step therefore *is* the position, and it does not
 depend on the world size: resuming step ``s`` at any number of ranks draws the same global batches

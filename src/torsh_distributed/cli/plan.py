@@ -63,8 +63,8 @@ def _model_shape(args: argparse.Namespace) -> dict[str, int] | None:
 def _gpt_params(shape: dict[str, int]) -> int:
     import torch
 
-    from torsh_distributed.train.config import ModelConfig
-    from torsh_distributed.train.model import GPT
+    from torsh_distributed.models.config import ModelConfig
+    from torsh_distributed.models.gpt import GPT
 
     config = ModelConfig(
         vocab_size=shape["vocab_size"],

@@ -24,38 +24,6 @@ from torsh_distributed.comm.reduce_op import ReduceOp
 __all__ = ["CommConfig", "TrainerComm", "facade_hook"]
 
 
-@dataclass(kw_only=True, slots=True)
-class CommConfig:
-    """Communication of the trainer (all defaults keep DDP's built-in behaviour)."""
-
-    algorithm: str = field(default="", metadata={"flags": ["--comm-algorithm"]})
-    """Gradient all-reduce through the facade with this algorithm: torch, ring, tree,
-    hierarchical or auto; empty = DDP's own all-reduce (no hook)."""
-    trace: str = field(default="", metadata={"flags": ["--trace"]})
-    """Record every facade collective; rank 0 writes one merged Chrome trace (Perfetto) here."""
-    debug: bool = field(default=False, metadata={"flags": ["--comm-debug"], "negatable": True})
-    """Fingerprint every facade collective in the store: mismatches raise, hangs name the missing ranks."""
-    debug_timeout: float = 60.0
-    """Seconds a debug-mode collective waits for the other ranks before the "never arrived" report."""
-    node_assignment: str = ""
-    """Node id per rank (``0,0,1,1``) for hierarchical/auto; empty = host names."""
-
-    def __post_init__(self) -> None:
-        if self.algorithm and self.algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"comm.algorithm must be empty or one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}"
-            )
-        if self.debug_timeout <= 0:
-            raise ValueError(f"comm.debug_timeout must be > 0, got {self.debug_timeout}")
-        if self.node_assignment:
-            try:
-                [int(x) for x in self.node_assignment.split(",")]
-            except ValueError:
-                raise ValueError(
-                    f"comm.node_assignment must be comma-separated ints like 0,0,1,1, got {self.node_assignment!r}"
-                ) from None
-
-
 def world_or_group(group: Any) -> Any:
     """``None`` for a group that spans the world (lets hierarchical/auto use ParallelDims' node
     groups, which exist for the world only), else ``group``."""

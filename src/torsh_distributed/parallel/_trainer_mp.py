@@ -49,7 +49,7 @@ from torsh_distributed.runtime import world
 
 if TYPE_CHECKING:
     from torsh_distributed.train.config import TrainConfig
-    from torsh_distributed.train.data import Corpus
+    from torsh_distributed.data.corpus import Corpus
     from torsh_distributed.train.loop import TrainResult
 
 __all__ = ["check_model_parallel", "train_model_parallel"]
@@ -113,10 +113,10 @@ def train_model_parallel(
     config: TrainConfig, runtime: world.Runtime, corpus: Corpus, started: float
 ) -> TrainResult:
     """Train with ``dp x tp x pp`` parallelism; the same :class:`TrainResult` as the DDP loop."""
-    from torsh_distributed.train.data import sample_batch
+    from torsh_distributed.data.corpus import sample_batch
     from torsh_distributed.train.loop import TrainResult, _optimizer, lr_at
-    from torsh_distributed.train.model import GPT
-    from torsh_distributed.train.progress import Progress, format_summary
+    from torsh_distributed.models.gpt import GPT
+    from torsh_distributed.engine.progress import Progress, format_summary
 
     dims = check_model_parallel(config, runtime.world_size)
     _warn_ignored(config)

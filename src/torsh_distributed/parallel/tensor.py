@@ -164,7 +164,7 @@ def apply_tp(
 ) -> nn.Module:
     """Shard ``model``'s blocks, embedding and head over the 1-D ``mesh`` (the ``tp`` axis), in place.
 
-    Works on the whole :class:`~torsh_distributed.train.model.GPT` and on a pipeline stage of it
+    Works on the whole :class:`~torsh_distributed.models.gpt.GPT` and on a pipeline stage of it
     (only the parts the module has are sharded: ``tok_emb``, ``pos_emb``, ``blocks``, ``ln_f``,
     ``head``).
 

@@ -3,7 +3,7 @@
 One call, :func:`train`, runs on every rank: it joins (or starts) the process group, builds the
 model from the seed (identical on every rank), parallelizes it (DDP or ZeRO-1/2/3; tensor and
 pipeline parallelism hand over to their own loop), and steps through the deterministic batches of
-:mod:`torsh_distributed.train.data`. Rank 0 shows progress and writes the summary. The result is
+:mod:`torsh_distributed.data.corpus`. Rank 0 shows progress and writes the summary. The result is
 returned on every rank so tests can compare runs.
 
 Each feature is a component with a few hooks, cheap or a no-op when switched off, so the loop
@@ -36,9 +36,9 @@ from torsh_distributed.parallel.precision import LossScaler  # fp16 loss scaling
 from torsh_distributed.parallel.sharded import shard_optimizer
 from torsh_distributed.runtime import world
 from torsh_distributed.train.config import OptimConfig, TrainConfig
-from torsh_distributed.train.data import Corpus, load_corpus, sample_batch
-from torsh_distributed.train.model import GPT
-from torsh_distributed.train.progress import Progress, format_summary
+from torsh_distributed.data.corpus import Corpus, load_corpus, sample_batch
+from torsh_distributed.models.gpt import GPT
+from torsh_distributed.engine.progress import Progress, format_summary
 
 __all__ = ["TrainResult", "train", "lr_at"]
 

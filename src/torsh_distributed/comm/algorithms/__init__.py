@@ -10,8 +10,9 @@ from torsh_distributed.comm.algorithms.ring import (
 )
 from torsh_distributed.comm.algorithms.tree import tree_all_reduce, tree_broadcast, tree_reduce
 
-ALGORITHMS = ("torch", "ring", "tree", "hierarchical", "auto")
-"""Names accepted by ``algorithm=``: ``torch`` is the backend's own implementation."""
+from torsh_distributed.comm.config import ALGORITHM_NAMES as ALGORITHMS
+
+# ALGORITHMS: names accepted by ``algorithm=``; ``torch`` is the backend's own implementation.
 
 __all__ = [
     "ALGORITHMS",

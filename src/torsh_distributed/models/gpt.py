@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torsh_distributed.train.config import ModelConfig
+from torsh_distributed.models.config import ModelConfig
 
 __all__ = ["GPT", "Block"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from torsh_distributed.train.config import DataConfig
+from torsh_distributed.data.config import DataConfig
 
 __all__ = ["Corpus", "load_corpus", "sample_batch"]
 

@@ -1,0 +1,1 @@
+"""The training engine: one loop for any model, loss, optimizer and dataset."""

@@ -1,0 +1,174 @@
+"""The engine's configuration (torch-free)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torsh_distributed.checkpoint.config import CheckpointConfig
+from torsh_distributed.comm.config import CommConfig
+from torsh_distributed.compression.config import CompressionConfig
+from torsh_distributed.monitor.config import MonitorConfig
+from torsh_distributed.parallel.config import ParallelConfig
+
+__all__ = ["EngineConfig", "OptimConfig", "OPTIMIZERS"]
+
+
+def _positive(owner: str, name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{owner}.{name} must be > 0, got {value}")
+
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW (or SGD) with linear warm-up then cosine decay."""
+
+    optimizer: str = "adamw"
+    """``adamw`` (betas 0.9, 0.95) or ``sgd`` (plain, or heavy-ball with ``momentum``). Error
+    feedback's guarantees are for SGD: sparse and sign compressors that lag under AdamW train
+    like uncompressed SGD (docs/compression.md)."""
+    momentum: float = 0.0
+    """SGD momentum in [0, 1) (0 = plain SGD); ``sgd`` only."""
+    lr: float = 3e-3
+    """Peak learning rate (SGD needs a larger one than AdamW: 0.5 for the tiny preset)."""
+    weight_decay: float = 0.01
+    """Weight decay of matrices only (biases and norms are not decayed): decoupled for AdamW,
+    L2 for SGD."""
+    warmup_steps: int = 10
+    """Steps of linear warm-up from 0 to ``lr``."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr`` at the end of the cosine decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"optim.momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError(
+                f"optim.momentum applies to optimizer 'sgd' only (got {self.optimizer!r}, "
+                "whose moments are fixed)"
+            )
+        _positive("optim", "lr", self.lr)
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs besides the model, loss, optimizer and data: the loop's
+    settings and one section per component (each component reads only its own section)."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints: directory, intervals, retention, async saving, resume (fault tolerance)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data-parallel sharding: ZeRO stage (DDP by default), offload, mixed precision, checkpointing."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Communication: gradient all-reduce algorithm (facade hook), --trace FILE, debug mode."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Gradient compression (--compression SPEC, DDP only) and DDP's wrapper options."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Observability: --metrics-port, --dashboard-port, --alerts FILE, --report-json FILE."""
+    max_steps: int = 200
+    """Optimizer steps to run."""
+    batch_size: int = 32
+    """Global batch (sequences per step), split evenly across data-parallel ranks."""
+    grad_accum: int = 1
+    """Split each rank's share of the global batch into N micro-batches whose gradients are
+    accumulated locally and exchanged once per step (DDP ``no_sync``; FSDP without gradient sync):
+    the same global batch and step as N = 1, with about 1/N of the activation memory. Data
+    parallelism only (pipelines have ``--microbatches``)."""
+    seed: int = 1234
+    """Seed for initialisation and for the sample order (the same at every world size)."""
+    eval_every: int = 0
+    """Evaluate validation loss every N steps (0 = only at the end)."""
+    eval_batches: int = 8
+    """Validation batches of ``batch_size`` sequences per evaluation."""
+    log_every: int = 10
+    """Refresh the progress bar's loss/throughput every N steps."""
+    backend: str = "auto"
+    """Process group backend: ``auto`` (NCCL if every local rank has a GPU, else Gloo), ``gloo``, ``nccl``."""
+    threads: int = 0
+    """Torch intra-op threads per rank; 0 = CPU cores divided by local ranks."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    summary_json: str = ""
+    """Write the end-of-run summary as JSON to this file (rank 0); empty = do not write."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
+            _positive("train", name, getattr(self, name))
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be one of auto, gloo, nccl; got {self.backend!r}")
+
+    def check_world(self, dp_size: int) -> int:
+        """Per-rank batch for ``dp_size`` data-parallel ranks; ``ValueError`` if it does not divide."""
+        if self.batch_size % dp_size:
+            raise ValueError(
+                f"batch_size {self.batch_size} (global) is not divisible by the {dp_size} "
+                f"data-parallel ranks; choose a multiple of {dp_size}"
+            )
+        per_rank = self.batch_size // dp_size
+        if per_rank % self.grad_accum:
+            raise ValueError(
+                f"grad_accum {self.grad_accum} must divide the per-rank batch {per_rank} "
+                f"(batch_size {self.batch_size} / {dp_size} ranks)"
+            )
+        return per_rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """Nested config sections: field name -> dataclass type (``model``, ``data``, ...)."""
+        sample = cls()
+        return {
+            f.name: type(getattr(sample, f.name))
+            for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(getattr(sample, f.name))
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys: {sorted(unknown)}")
+        kwargs = dict(data)
+        for name, section_cls in cls.sections().items():
+            if name in kwargs and isinstance(kwargs[name], dict):
+                kwargs[name] = _section(section_cls, kwargs[name], name)
+        return cls(**kwargs)
+
+def _section(cls: type, values: dict[str, Any], name: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown {name} config keys: {sorted(unknown)}")
+    return cls(**values)

@@ -35,7 +35,7 @@ def test_flags_override_preset():
 def test_json_round_trip():
     cfg = _parse("--seed", "9")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="unknown train config keys"):
+    with pytest.raises(ValueError, match="unknown config keys"):
         TrainConfig.from_dict({"nope": 1})
 
 

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from torsh_distributed.checkpoint import CheckpointManager
+from torsh_distributed.models.gpt import GPT
 from torsh_distributed.parallel.data import apply_ddp
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import preset
-from torsh_distributed.models.gpt import GPT
 
 
 def _stall_job(preset_name: str, saves: int, directory: str) -> dict:

@@ -39,10 +39,10 @@ def _worker(args: argparse.Namespace) -> None:
 
     from torsh_distributed.compression import build_compressor, register_compression
     from torsh_distributed.compression.adaptive import Adaptive
-    from torsh_distributed.parallel.data import apply_ddp
-    from torsh_distributed.train.config import DataConfig, ModelConfig
     from torsh_distributed.data.corpus import load_corpus, sample_batch
     from torsh_distributed.models.gpt import GPT
+    from torsh_distributed.parallel.data import apply_ddp
+    from torsh_distributed.train.config import DataConfig, ModelConfig
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

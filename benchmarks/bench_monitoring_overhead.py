@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 
-from torsh_distributed.monitor import MonitorConfig, TrainerMonitor
+from torsh_distributed.monitor import MonitorConfig, StepMonitor
 from torsh_distributed.testing import find_free_port, run_distributed
 from torsh_distributed.train import TrainConfig, preset, train
 
@@ -71,7 +71,7 @@ def _rank(steps: int, rounds: int, every: int, out_dir: str) -> list[tuple[str, 
 
 def _hook_cost(iterations: int = 20_000) -> float:
     """Microseconds per step of the hooks alone (every=10**9: no aggregation)."""
-    mon = TrainerMonitor(MonitorConfig(enabled=True, every=10**9), rank=0, world_size=1)
+    mon = StepMonitor(MonitorConfig(enabled=True, every=10**9), rank=0, world_size=1)
     start = time.perf_counter()
     for step in range(iterations):
         mon.step_begin(step)

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torsh_distributed.parallel.pipeline import build_pipeline, lm_loss
+from torsh_distributed.models.config import ModelConfig
+from torsh_distributed.models.gpt import GPT, lm_loss
+from torsh_distributed.parallel.pipeline import build_pipeline
 from torsh_distributed.testing import run_distributed
-from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.models.gpt import GPT
 
 
 class _Meter:
@@ -92,6 +92,7 @@ def _rank(
 
         runner = build_pipeline(
             GPT(cfg),
+            split_points=None,  # even: n_layer must divide into pp (x v for interleaved)
             pp_rank=rank,
             pp=pp,
             group=None,
@@ -187,6 +188,7 @@ def _bubbles(rows: list[dict[str, Any]]) -> tuple[float, float, float, float]:
         total += t
         imbalance += max(busy) / min(busy)
     return mean / steps, busiest / steps, total / steps, imbalance / steps
+
 
 if __name__ == "__main__":
     main()

@@ -26,15 +26,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torsh_distributed.parallel.tensor import apply_tp, reduce_partial_grads
-from torsh_distributed.testing import run_distributed
-from torsh_distributed.train.config import ModelConfig
+from torsh_distributed.models.config import ModelConfig
 from torsh_distributed.models.gpt import GPT
+from torsh_distributed.models.gpt_tp import gpt_tp_plan
+from torsh_distributed.parallel.tensor import reduce_partial_grads
+from torsh_distributed.parallel.tp_plan import apply_tp_plan
+from torsh_distributed.testing import run_distributed
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -68,6 +71,13 @@ class _SavedBytes:
             self.seen.add(ptr)
             self.bytes[self.region] += storage.nbytes()
         return t
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the (vocabulary-sharded, under ``loss_parallel``) logits."""
+    logits = model(x)
+    logits = logits[0] if isinstance(logits, tuple) else logits  # forward may return (logits, _)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
 
 
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -106,10 +116,11 @@ def _rank(
     runs: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     for name in variants:
         torch.manual_seed(0)
-        model = apply_tp(GPT(cfg), mesh, loss_parallel=True, sequence_parallel=name == "tp+sp")
+        plan = gpt_tp_plan(sequence_parallel=name == "tp+sp", loss_parallel=True)
+        model = apply_tp_plan(GPT(cfg), mesh, plan)
         meter = _SavedBytes(model)
         with loss_parallel(), torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
-            _, loss = model(x, y)
+            loss = _loss(model, x, y)
         with loss_parallel():
             loss.backward()
         runs[name] = model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -121,7 +132,7 @@ def _rank(
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with loss_parallel():
-                _, loss = model(x, y)
+                loss = _loss(model, x, y)
                 loss.backward()
             reduce_partial_grads(list(model.parameters()))
             optimizer.step()

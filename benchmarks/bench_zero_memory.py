@@ -27,7 +27,7 @@ import platform
 import sys
 import time
 
-from torsh_distributed.parallel._trainer_memory import predict_peak_rss
+from torsh_distributed.engine._memory import predict_peak_rss
 from torsh_distributed.plan.memory import activation_bytes, model_state_bytes
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig, preset, train

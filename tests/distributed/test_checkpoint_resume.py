@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from torsh_distributed.checkpoint import CheckpointManager, step_dir_name
+from torsh_distributed.models.gpt import GPT
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.testing.configs import with_checkpoints
 from torsh_distributed.train import TrainConfig, preset, train
-from torsh_distributed.models.gpt import GPT
 
 N = 4  # checkpoint interval; runs are 2N steps
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torsh_distributed.parallel.config import ParallelConfig
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig, preset, train
 
@@ -86,19 +85,18 @@ def test_fp16_tracks_fp32_and_overflow_skips_on_every_rank():
 def _one_rank_overflows() -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from torsh_distributed.comm.dims import ParallelDims
     from torsh_distributed.parallel.precision import LossScaler
-    from torsh_distributed.parallel.sharded import dp_mesh
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 16, bias=False)  # weight rows 0-7 on rank 0, rows 8-15 on rank 1
     fully_shard(
         layer,
-        mesh=dp_mesh(torch.device("cpu")),
+        mesh=ParallelDims(dp=-1).build().mesh["dp"],
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
     )
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
-    config = ParallelConfig(zero_stage=3, param_dtype="fp16", loss_scale_init=2.0**40)
-    scaler = LossScaler(config, device=torch.device("cpu"))
+    scaler = LossScaler(enabled=True, device="cpu", init_scale=2.0**40)  # a user's own loop
     x = torch.randn(4, 8)
 
     def step() -> tuple[bool, bool]:

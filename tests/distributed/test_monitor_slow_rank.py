@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torsh_distributed.monitor.trainer import SLOW_RANK_ENV
+from torsh_distributed.monitor.step import SLOW_RANK_ENV
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig, preset, train
 

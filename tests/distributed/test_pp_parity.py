@@ -1,8 +1,10 @@
-"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B) trains exactly like one process.
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B) of the built-in GPT trains like one process.
 
-Two ranks, one spawn for the three schedules: per-step global losses and validation loss equal
-a one-process run on the same global batch within 1e-4 relative (fp32 CPU). Invalid set-ups
-raise their ``ValueError`` on every rank before any collective.
+Two ranks, one spawn for the three schedules: per-step global losses and validation loss of the
+trainer equal a one-process run on the same global batch within 1e-4 relative (fp32 CPU), and
+one step of :func:`build_pipeline` at split points ``blocks.<i>`` gives the unsplit model's loss
+and gradients under every schedule. Invalid set-ups raise their ``ValueError`` on every rank
+before any collective. Splits of user models: ``test_pipeline_split.py``.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import json
 
 import pytest
 
+from torsh_distributed.models.config import ModelConfig
+from torsh_distributed.models.gpt import GPT
 from torsh_distributed.parallel.pipeline import (
     check_pipeline,
     check_split_points,
+    even_split_points,
     stage_ids,
-    stage_layers,
 )
 from torsh_distributed.testing import RankFailedError, run_distributed
 from torsh_distributed.testing.configs import small_config
@@ -75,7 +79,6 @@ BASE = {
     "schedule": "1f1b",
     "microbatches": 2,
     "virtual_stages": 1,
-    "n_layer": 4,
     "batch_size": 8,
 }
 
@@ -88,8 +91,6 @@ BASE = {
         ({"schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}, r"multiple of pp=2"),
         ({"schedule": "interleaved"}, r"virtual_stages >= 2"),
         ({"virtual_stages": 2}, r"needs parallel.pp_schedule=interleaved"),
-        ({"n_layer": 3}, r"n_layer=3 is not divisible into 2 pipeline stages"),
-        ({"schedule": "interleaved", "virtual_stages": 2, "n_layer": 6}, r"not divisible into 4"),
         ({"batch_size": 6, "microbatches": 4}, r"batch 6 is not divisible"),
         ({"schedule": "zb"}, r"pp_schedule must be one of gpipe, 1f1b, interleaved"),
     ],
@@ -99,62 +100,91 @@ def test_invalid_pipeline_setups(change: dict, match: str) -> None:
         check_pipeline(**{**BASE, **change})
 
 
-def _split_step(split_points: list[int]) -> tuple[float, float, float]:
+# (schedule, n_layer, virtual_stages, microbatches, split points): uneven splits included
+SPLITS = [
+    ("gpipe", 3, 1, 2, ["blocks.1"]),
+    ("1f1b", 3, 1, 4, ["blocks.2"]),
+    ("interleaved", 4, 2, 2, None),
+    ("interleaved", 5, 2, 2, ["blocks.1", "blocks.2", "blocks.4"]),
+]
+
+
+def _split_steps() -> list[tuple[float, float, float, list[str]]]:
     import torch
     import torch.distributed as dist
 
+    from torsh_distributed.models.gpt import lm_loss
     from torsh_distributed.parallel.pipeline import build_pipeline
-    from torsh_distributed.train.config import ModelConfig
-    from torsh_distributed.models.gpt import GPT
 
-    cfg = ModelConfig(block_size=16, n_layer=3, n_head=2, d_model=32)
-    torch.manual_seed(0)
-    reference = GPT(cfg)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    gen = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, 256, (4, 16), generator=gen) for _ in range(2))
-    _, ref_loss = reference(x, y)
-    ref_loss.backward()
-    runner = build_pipeline(
-        model,
-        pp_rank=dist.get_rank(),
-        pp=2,
-        group=None,
-        device=torch.device("cpu"),
-        schedule="gpipe",
-        microbatches=2,
-        split_points=split_points,
-    )
-    loss = runner.step(x, y)
-    ref_grads = dict(reference.named_parameters())
-    worst = max(
-        float((p.grad - ref_grads[n].grad).abs().max())
-        for n, p in model.named_parameters()
-        if p.grad is not None
-    )
-    return (float(loss) if loss is not None else float("nan"), float(ref_loss), worst)
+    out = []
+    for schedule, n_layer, virtual, microbatches, points in SPLITS:
+        cfg = ModelConfig(block_size=16, n_layer=n_layer, n_head=2, d_model=32)
+        torch.manual_seed(0)
+        reference = GPT(cfg)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        gen = torch.Generator().manual_seed(1)
+        x, y = (torch.randint(0, 256, (4, 16), generator=gen) for _ in range(2))
+        _, ref_loss = reference(x, y)
+        ref_loss.backward()
+        runner = build_pipeline(
+            model,
+            split_points=points,
+            pp_rank=dist.get_rank(),
+            pp=2,
+            group=None,
+            device=torch.device("cpu"),
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual,
+            loss_fn=lm_loss,
+        )
+        loss = runner.step(x, y)
+        ref_grads = dict(reference.named_parameters())
+        names = [n for m in runner.modules for n, _ in m.named_parameters()]
+        worst = max(
+            float((p.grad - ref_grads[n].grad).abs().max())
+            for m in runner.modules
+            for n, p in m.named_parameters()
+        )
+        value = float(loss) if loss is not None else float("nan")
+        out.append((value, float(ref_loss), worst, names))
+    return out
 
 
-def test_explicit_split_points_match_unsplit_model() -> None:
-    # 3 blocks cut [0] [1, 2]: uneven stages, one step of loss and gradients
-    results = run_distributed(_split_step, 2, args=([1],), timeout=120)
-    loss, ref_loss, _ = results[1]  # rank 1 holds the last stage
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
-    for _, _, worst in results:
-        assert worst < 1e-6
+def test_split_points_match_unsplit_model_under_each_schedule() -> None:
+    results = run_distributed(_split_steps, 2, timeout=120)
+    for i, (schedule, n_layer, *_, points) in enumerate(SPLITS):
+        case = f"{schedule}, {n_layer} blocks at {points}"
+        loss, ref_loss, _, _ = results[1][i]  # rank 1 holds the last stage
+        assert loss == pytest.approx(ref_loss, rel=1e-6), case
+        for rank in (0, 1):
+            assert results[rank][i][2] < 1e-6, f"{case}: rank {rank} gradients"
+        # every parameter of the GPT on exactly one rank, under its unsplit name
+        names = results[0][i][3] + results[1][i][3]
+        whole = GPT(ModelConfig(block_size=16, n_layer=n_layer, n_head=2, d_model=32))
+        assert sorted(names) == sorted(n for n, _ in whole.named_parameters()), case
 
 
 @pytest.mark.parametrize(
     ("points", "match"),
     [
-        ([1, 2], r"must give 1 boundaries for 2 stages"),
-        ([3], r"strictly increasing within \[1, 3\)"),
+        (["blocks.1", "blocks.2"], r"name 2 modules; 2 pipeline stages .* need 1"),
+        (
+            ["blocks.3"],
+            r"'blocks.3' names no module of GPT \(entries of 'blocks': blocks.0, blocks.1, blocks.2\)",
+        ),
+        (["blocks.0"], r"first entry of 'blocks': stage 0 would be empty"),
+        (["ln_f"], r"'ln_f' is not an entry of a container"),
     ],
 )
-def test_invalid_split_points(points: list[int], match: str) -> None:
+def test_invalid_split_points(points: list[str], match: str) -> None:
+    model = GPT(ModelConfig(block_size=16, n_layer=3, n_head=2, d_model=32))
     with pytest.raises(ValueError, match=match):
-        check_split_points(points, num_stages=2, n_layer=3)
+        check_split_points(model, points, num_stages=2)
+    # block indices (the old API) are rejected with a pointer to names
+    with pytest.raises(TypeError, match=r"module names like 'layers.4'; got 1 \(int\)"):
+        check_split_points(model, [1], num_stages=2)
 
 
 def test_trainer_flags_reach_the_config() -> None:
@@ -184,8 +214,12 @@ def test_gpipe_allows_fewer_microbatches_than_stages() -> None:
 
 def test_stage_placement() -> None:
     assert stage_ids(1, pp=2, virtual_stages=2) == [1, 3]
-    assert list(stage_layers(3, num_stages=4, n_layer=8)) == [6, 7]
-    assert list(stage_layers(1, num_stages=2, n_layer=3, split_points=[1])) == [1, 2]
+    model = GPT(ModelConfig(block_size=16, n_layer=8, n_head=2, d_model=32))
+    assert even_split_points(model, 4) == ["blocks.2", "blocks.4", "blocks.6"]
+    split = check_split_points(model, ["blocks.1"], num_stages=2)
+    assert split.stages == (("0",), ("1", "2", "3", "4", "5", "6", "7"))
+    with pytest.raises(ValueError, match=r"the 8 entries of 'blocks' .* do not split evenly into 3"):
+        check_split_points(model, None, num_stages=3)
 
 
 def test_config_flags_validate() -> None:

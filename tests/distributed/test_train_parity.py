@@ -110,16 +110,16 @@ def test_gradient_accumulation_must_divide_the_per_rank_batch():
 def _accumulated_grads() -> dict[str, float]:
     import torch
 
+    from torsh_distributed.engine.engine import Engine
+    from torsh_distributed.models.gpt import GPT, lm_loss
     from torsh_distributed.parallel.config import ParallelConfig
     from torsh_distributed.parallel.data import apply_ddp
     from torsh_distributed.parallel.precision import LossScaler
     from torsh_distributed.train.config import ModelConfig
-    from torsh_distributed.train.loop import _accumulate
-    from torsh_distributed.models.gpt import GPT
 
     torch.manual_seed(0)
     cfg = ModelConfig(block_size=16, n_layer=1, n_head=2, d_model=32)
-    scaler = LossScaler(ParallelConfig(), device=torch.device("cpu"))
+    scaler = LossScaler.from_config(ParallelConfig(), device=torch.device("cpu"))
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     tokens = torch.randint(0, 256, (4, 17), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -132,7 +132,7 @@ def _accumulated_grads() -> dict[str, float]:
         if parts == 1:
             model(x, y)[1].backward()
         else:
-            _accumulate(model, scaler, x, y, parts)
+            Engine._accumulate(model, lm_loss, scaler, x, y, parts)
         grads[parts] = torch.cat([p.grad.reshape(-1) for p in base.parameters()])
     for parts in (2, 4):
         out[f"diff{parts}"] = float((grads[parts] - grads[1]).abs().max() / grads[1].abs().max())

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from torsh_distributed.monitor.trainer import SLOW_RANK_ENV
+from torsh_distributed.monitor.step import SLOW_RANK_ENV
 
 TRAIN = [sys.executable, "-m", "torsh_distributed.cli.main", "train", "--nproc-per-node", "2",
          "--preset", "tiny", "--data.max-bytes", "300000", "--eval-batches", "1",

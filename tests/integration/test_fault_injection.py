@@ -29,9 +29,9 @@ from torsh_distributed.elastic.health import (
     gather_step_times,
     straggler_report,
 )
+from torsh_distributed.models.gpt import GPT
 from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig
-from torsh_distributed.models.gpt import GPT
 
 CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 EVERY, STEPS = 3, 10

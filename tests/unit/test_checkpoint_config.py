@@ -16,12 +16,12 @@ from torsh_distributed.checkpoint.resume import (
     restore_rng,
 )
 from torsh_distributed.checkpoint.retention import to_delete
-from torsh_distributed.checkpoint.trainer import config_hash
 from torsh_distributed.cli.main import build_parser
 from torsh_distributed.cli.train import config_from_args
+from torsh_distributed.data.corpus import sample_batch
+from torsh_distributed.engine._checkpoint import computation_settings, settings_hash
 from torsh_distributed.runtime.errors import CheckpointError
 from torsh_distributed.train import preset
-from torsh_distributed.data.corpus import sample_batch
 
 
 def test_defaults_keep_checkpointing_off():
@@ -67,6 +67,10 @@ def test_cli_flags_reach_the_config():
     assert section.async_save is False and section.resume == "never"
     args = build_parser().parse_args(["train", "--async-checkpoint"])
     assert config_from_args(args).checkpoint.async_save is True
+
+
+def config_hash(config):
+    return settings_hash(computation_settings(config, {"model": config.to_dict()["model"]}))
 
 
 def test_config_hash_ignores_cosmetic_settings():

@@ -13,9 +13,9 @@ from torsh_distributed.cli.bench import format_table, parse_size
 from torsh_distributed.cli.main import build_parser
 from torsh_distributed.comm import CostModel, LinkCost, ParallelDims, ReduceOp
 from torsh_distributed.comm.algorithms import buckets
+from torsh_distributed.comm.config import CommConfig
 from torsh_distributed.comm.profiler import Event, Profiler, busbw_factor
 from torsh_distributed.comm.reduce_op import check_dtype, combine_, finish_mean_
-from torsh_distributed.comm.config import CommConfig
 
 
 def test_reduce_op_parse_and_torch_mapping():

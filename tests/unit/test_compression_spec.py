@@ -15,7 +15,8 @@ from torsh_distributed.compression import (
     PowerSGD,
     parse_spec,
 )
-from torsh_distributed.compression.spec import build_compressor
+from torsh_distributed.compression.build import build_compressor
+from torsh_distributed.parallel.config import ParallelConfig
 from torsh_distributed.train import TrainConfig
 
 
@@ -67,15 +68,18 @@ def test_config_section_validates_and_reaches_the_train_config():
         CompressionConfig(method="gzip")
     with pytest.raises(ValueError, match="compression.error_feedback must be default, on or off"):
         CompressionConfig(error_feedback="maybe")
-    with pytest.raises(ValueError, match="compression.bucket_cap_mb must be > 0"):
-        CompressionConfig(bucket_cap_mb=0)
-    cfg = TrainConfig.from_dict({"compression": {"method": "powersgd:4", "static_graph": True}})
+    with pytest.raises(ValueError, match="parallel.bucket_cap_mb must be > 0"):
+        ParallelConfig(bucket_cap_mb=0)
+    cfg = TrainConfig.from_dict({"compression": {"method": "powersgd:4"}, "parallel": {"static_graph": True}})
     assert cfg.compression.method == "powersgd:4" and cfg.compression.enabled
     assert not TrainConfig().compression.enabled
 
 
 def test_compression_rejects_sharding_but_takes_a_comm_algorithm():
-    from torsh_distributed.compression.trainer import check_compatible
+    from torsh_distributed.engine._compression import check_compression
+
+    def check_compatible(config):
+        check_compression(config.compression, zero_stage=config.parallel.zero_stage)
 
     cfg = TrainConfig.from_dict({"compression": {"method": "int8"}, "parallel": {"zero_stage": 2}})
     with pytest.raises(ValueError, match=r"applies to DDP \(parallel.zero_stage 0\) only; got --zero-stage 2"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torsh_distributed.train.config import DataConfig
 from torsh_distributed.data.corpus import load_corpus, sample_batch
+from torsh_distributed.train.config import DataConfig
 
 
 def test_corpus_is_deterministic_and_split():

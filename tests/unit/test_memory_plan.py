@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from torsh_distributed.cli.main import main
+from torsh_distributed.models.gpt import GPT, Block
 from torsh_distributed.parallel.checkpointing import apply_ac, checkpointed_blocks
 from torsh_distributed.parallel.config import ParallelConfig, parse_activation_checkpointing
 from torsh_distributed.parallel.memory import measure_model_state, peak_rss_bytes, reset_peak_rss
@@ -21,7 +22,6 @@ from torsh_distributed.plan import (
     plan_memory,
 )
 from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.models.gpt import GPT, Block
 
 
 def test_zero_paper_example_bytes():
@@ -190,7 +190,7 @@ def test_activation_checkpointing_spec():
 
 
 def test_sharding_one_rank_is_rejected():
-    with pytest.raises(ValueError, match="world has 1 rank"):
+    with pytest.raises(ValueError, match="there is 1 data-parallel rank"):
         check_world(ParallelConfig(zero_stage=2), 1)
     check_world(ParallelConfig(zero_stage=0), 1)
 
@@ -199,7 +199,7 @@ def test_trainer_flags_reach_the_parallel_section():
     import argparse
 
     from torsh_distributed.cli.train import add_config_arguments, config_from_args
-    from torsh_distributed.train import loop  # noqa: F401 - the trainer must import cleanly
+    from torsh_distributed.train import trainer  # noqa: F401 - the trainer must import cleanly
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)

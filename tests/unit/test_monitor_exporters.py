@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from torsh_distributed.monitor import FIELDS, MonitorConfig, TrainerMonitor, aggregate
+from torsh_distributed.monitor import FIELDS, MonitorConfig, StepMonitor, aggregate
 from torsh_distributed.monitor.server import DashboardServer
 from torsh_distributed.testing import find_free_port
 
@@ -63,7 +63,7 @@ def test_dashboard_serves_page_assets_state_and_queues_acks():
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(server.url + "../config.py", timeout=5)
         with pytest.raises(ValueError, match="Out of range float"):
-            server.publish({"x": float("nan")})  # the trainer cleans NaN first
+            server.publish({"x": float("nan")})  # the dashboard sink cleans NaN first
     finally:
         server.close()
 
@@ -100,7 +100,7 @@ def test_config_active_and_trainer_flags():
 
 
 def test_disabled_monitor_is_a_no_op():
-    mon = TrainerMonitor(MonitorConfig(), rank=0, world_size=1)
+    mon = StepMonitor(MonitorConfig(), rank=0, world_size=1)
     mon.step_begin(0)
     mon.phase("data")
     mon.step_end(1, loss=1.0, lr=0.1)
@@ -108,7 +108,7 @@ def test_disabled_monitor_is_a_no_op():
 
 
 def test_enabled_monitor_single_rank_report(capsys):
-    mon = TrainerMonitor(MonitorConfig(enabled=True, every=2), rank=0, world_size=1,
+    mon = StepMonitor(MonitorConfig(enabled=True, every=2), rank=0, world_size=1,
                          samples_per_step=4, tokens_per_step=256)
     for step in range(6):
         mon.step_begin(step)

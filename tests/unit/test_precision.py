@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
+from torsh_distributed.models.gpt import GPT
 from torsh_distributed.parallel.config import ParallelConfig
 from torsh_distributed.parallel.precision import LossScaler, apply_autocast, needs_grad_scaling
 from torsh_distributed.train.config import ModelConfig
-from torsh_distributed.models.gpt import GPT
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -31,7 +31,7 @@ def test_fp16_and_bf16_compute_are_accepted_at_every_stage(stage):
         ),
         ({"param_dtype": "fp16", "loss_scale_init": float("inf")}, "finite number > 0, got inf"),
         ({"param_dtype": "fp16", "loss_scale_growth_interval": 0}, "growth_interval must be >= 1"),
-        ({"tp": 2, "param_dtype": "fp16"}, "do not combine with tp/pp > 1 yet"),
+        ({"tp": 2, "param_dtype": "fp16"}, "fp16 needs loss scaling, which does not combine with tp/pp > 1"),
     ],
 )
 def test_invalid_precision_settings_say_why(kwargs, match):
@@ -72,15 +72,66 @@ def test_autocast_runs_matmuls_in_fp16_keeps_names_and_fp32_loss():
         apply_autocast(model, dtype="fp32", device_type="cpu")
 
 
-def test_disabled_scaler_is_plain_backward_and_step():
+@pytest.mark.parametrize(
+    "scaler",
+    [
+        pytest.param(lambda: LossScaler(enabled=False, device="cpu"), id="explicit"),
+        pytest.param(lambda: LossScaler.from_config(ParallelConfig(), device="cpu"), id="config"),
+    ],
+)
+def test_disabled_scaler_is_plain_backward_and_step(scaler):
+    scaler = scaler()
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=0.5)
-    scaler = LossScaler(ParallelConfig(), device=torch.device("cpu"))
     scaler.backward((param * 2).sum())
     scaler.unscale(optimizer)
     assert scaler.step(optimizer) is True
     assert torch.equal(param.detach(), torch.zeros(3))
-    assert scaler.scale == 1.0 and scaler.summary() == {}
+    assert scaler.enabled is False
+    assert scaler.scale == 1.0 and scaler.summary() == {} and scaler.state_dict() == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init_scale": 0.0}, "init_scale must be a finite number > 0, got 0.0"),
+        ({"init_scale": float("nan")}, "init_scale must be a finite number > 0, got nan"),
+        ({"init_scale": float("inf")}, "init_scale must be a finite number > 0, got inf"),
+        ({"growth_interval": 0}, "growth_interval must be >= 1, got 0"),
+    ],
+)
+def test_explicit_scaler_arguments_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaler(device="cpu", **kwargs)
+
+
+def test_from_config_takes_the_sections_settings_and_describes_its_dtypes():
+    config = ParallelConfig(param_dtype="fp16", loss_scale_init=512.0, loss_scale_growth_interval=3)
+    scaler = LossScaler.from_config(config, device=torch.device("cpu"))
+    assert scaler.enabled and scaler.scale == 512.0
+    assert scaler.state_dict()["growth_interval"] == 3
+    assert scaler.summary() == {
+        "param_dtype": "fp16",
+        "reduce_dtype": "fp32",
+        "compute": "autocast",
+        "loss_scaling": True,
+        "loss_scale": 512.0,
+        "skipped_steps": 0,
+        "skipped_at": [],
+    }
+    # bf16 needs no scaling, but the run summary still says which dtypes it used
+    bf16 = LossScaler.from_config(ParallelConfig(zero_stage=3, param_dtype="bf16"), device="cpu")
+    assert bf16.summary() == {
+        "param_dtype": "bf16",
+        "reduce_dtype": "fp32",
+        "compute": "fsdp2",
+        "loss_scaling": False,
+    }
+    # built directly, the summary reports only what the scaler itself knows
+    direct = LossScaler(enabled=True, device="cpu", init_scale=8.0)
+    assert direct.summary() == {
+        "loss_scaling": True, "loss_scale": 8.0, "skipped_steps": 0, "skipped_at": []
+    }
 
 
 def test_overflow_skips_the_step_and_backs_the_scale_off():
@@ -88,7 +139,7 @@ def test_overflow_skips_the_step_and_backs_the_scale_off():
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=0.5)
     config = ParallelConfig(param_dtype="fp16", loss_scale_init=2.0**127)
-    scaler = LossScaler(config, device=torch.device("cpu"))
+    scaler = LossScaler.from_config(config, device=torch.device("cpu"))
     scaler.backward((param * 4).sum())  # 4 * 2**127 overflows fp32
     scaler.unscale(optimizer)
     assert scaler.step(optimizer) is False
@@ -103,7 +154,7 @@ def test_overflow_skips_the_step_and_backs_the_scale_off():
     summary = scaler.summary()
     assert (summary["skipped_steps"], summary["skipped_at"]) == (1, [1])
     assert summary["loss_scale"] == 2.0**126 and summary["compute"] == "autocast"
-    restored = LossScaler(config, device=torch.device("cpu"))
+    restored = LossScaler(enabled=True, device="cpu")  # the scale comes from the state
     restored.load_state_dict(scaler.state_dict())
     assert restored.scale == 2.0**126
 

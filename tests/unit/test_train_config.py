@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from torsh_distributed.cli.train import add_config_arguments, config_from_args
+from torsh_distributed.engine.optim import lr_at
 from torsh_distributed.train.config import ModelConfig, TrainConfig, preset
-from torsh_distributed.train.loop import lr_at
 
 
 def _parse(*argv: str) -> TrainConfig:
@@ -76,9 +76,9 @@ def test_lr_schedule_warmup_then_cosine():
 def test_optimizer_flags_build_sgd_and_invalid_ones_are_named():
     import torch
 
-    from torsh_distributed.parallel._trainer_memory import planner_optimizer
+    from torsh_distributed.engine._memory import planner_optimizer
+    from torsh_distributed.engine.optim import build_optimizer as _optimizer
     from torsh_distributed.train.config import OptimConfig
-    from torsh_distributed.train.loop import _optimizer
 
     cfg = _parse("--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.5")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))

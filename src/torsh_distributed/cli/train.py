@@ -1,4 +1,9 @@
-"""``torsh-dist train``: the built-in trainer, launched on N local ranks by itself.
+"""``torsh-dist train``: the engine on the built-in GPT, or on the user's own model, launched on
+N local ranks by itself.
+
+``--model MODULE:FUNCTION --dataset MODULE:FUNCTION [--loss ...] [--val-dataset ...]
+[--tp-plan ...]`` trains the user's model (see :mod:`torsh_distributed.engine.user`); without
+``--model`` the built-in GPT trains on Python's own source. Every other flag applies to both.
 
 Flags are generated from :class:`~torsh_distributed.train.config.TrainConfig`: every field is
 ``--section.field-name`` (``--model.n-layer 4``) and, where the name is unique, also
@@ -18,16 +23,24 @@ import json
 import os
 import sys
 import typing
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from torsh_distributed.train.config import PRESETS, TrainConfig, preset
+
+if typing.TYPE_CHECKING:
+    from torsh_distributed.engine.user import UserFactories
 
 __all__ = ["register", "add_config_arguments", "config_from_args", "main"]
 
 _EPILOG = """\
 examples:
   torsh-dist train --nproc-per-node 2 --preset tiny
+  torsh-dist train --nproc-per-node 2 --model examples/own_model.py:make_model \
+      --dataset examples/own_model.py:make_dataset --zero-stage 3 --max-steps 100
+  torsh-dist train --nproc-per-node 4 --model mypkg.nets:transformer --dataset mypkg.data:tokens \
+      --pp 2 --pp-split layers.4 --loss mypkg.nets:loss
   torsh-dist train --nproc-per-node 4 --preset tiny --max-steps 50 --batch-size 64 --lr 2e-3
   torsh-dist train --preset small --model.n-layer 6 --summary-json runs/small.json
   torsh-dist run --nproc-per-node 2 -m torsh_distributed.train --preset tiny   # same, via run
@@ -131,28 +144,108 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_dict(data)
 
 
+def add_user_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--dataset``, ``--val-dataset``, ``--loss``, ``--tp-plan`` (user models)."""
+    group = parser.add_argument_group(
+        "your own model (MODULE is a module name or a .py file; without --model the built-in "
+        "GPT trains, and the model.* / data.* flags shape it)"
+    )
+    group.add_argument("--model", dest="user_model", metavar="MODULE:FUNCTION",
+                       help="function returning the torch.nn.Module to train (called on every "
+                       "rank under --seed)")
+    group.add_argument("--dataset", dest="user_dataset", metavar="MODULE:FUNCTION",
+                       help="function returning a map-style dataset of (input, target) pairs")
+    group.add_argument("--val-dataset", dest="user_val_dataset", metavar="MODULE:FUNCTION",
+                       help="function returning the validation dataset (default: none)")
+    group.add_argument("--loss", dest="user_loss", metavar="MODULE:FUNCTION",
+                       help="function (output, target) -> scalar loss (default: cross-entropy)")
+    group.add_argument("--tp-plan", dest="user_tp_plan", metavar="MODULE:FUNCTION",
+                       help="function returning a TPPlan (or {module pattern: style}) for --tp")
+
+
+def user_factories(args: argparse.Namespace) -> UserFactories | None:
+    """The user-model spec of ``args``; ``None`` for the built-in GPT.
+
+    Raises:
+        ValueError: ``--dataset`` and friends without ``--model``, or ``--model`` without
+            ``--dataset``.
+    """
+    model = getattr(args, "user_model", None)
+    given = {
+        flag: getattr(args, dest, None)
+        for flag, dest in (
+            ("--dataset", "user_dataset"),
+            ("--val-dataset", "user_val_dataset"),
+            ("--loss", "user_loss"),
+            ("--tp-plan", "user_tp_plan"),
+        )
+    }
+    if not model:
+        extra = [flag for flag, value in given.items() if value]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} need --model MODULE:FUNCTION (your model)")
+        return None
+    if not given["--dataset"]:
+        raise ValueError("--model needs --dataset MODULE:FUNCTION (a dataset of (input, target) pairs)")
+    ignored = sorted(
+        k for k, v in vars(args).items() if v is not None and k.startswith(("model.", "data."))
+    )
+    if ignored:
+        warnings.warn(
+            f"{', '.join('--' + k.replace('_', '-') for k in ignored)} shape the built-in GPT "
+            "and corpus: ignored with --model",
+            stacklevel=2,
+        )
+    from torsh_distributed.engine.user import UserFactories
+
+    return UserFactories(
+        model=model,
+        dataset=given["--dataset"] or "",
+        val_dataset=given["--val-dataset"] or "",
+        loss=given["--loss"] or "",
+        tp_plan=given["--tp-plan"] or "",
+    )
+
+
+def _check_world(config: TrainConfig, world_size: int) -> None:
+    par = config.parallel
+    fixed = par.tp * par.pp * (par.dp if par.dp != -1 else 1)
+    if world_size % fixed or (par.dp != -1 and fixed != world_size):
+        raise ValueError(
+            f"dp * tp * pp = {par.dp if par.dp != -1 else '-1'} * {par.tp} * {par.pp} does not "
+            f"fit {world_size} ranks (--nproc-per-node x --nnodes)"
+        )
+    config.check_world(world_size // (par.tp * par.pp))
+
+
 def _handle(args: argparse.Namespace) -> int:
     from torsh_distributed.cli.run import options_from_args
 
     config = config_from_args(args)
+    user = user_factories(args)
     options = options_from_args(args)
     nodes_fixed = ":" not in options.nnodes
     if nodes_fixed:
-        config.check_world(options.nproc_per_node * int(options.nnodes))
+        _check_world(config, options.nproc_per_node * int(options.nnodes))
     inside_launch = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if user is not None and not inside_launch:
+        user.check(config)  # imports and calls the factories: errors before any rank starts
     if inside_launch or (options.nproc_per_node == 1 and options.nnodes in ("1", "1:1")):
-        return _train_here(config)
+        return _train_here(config, user)
     from torsh_distributed.elastic.launch import launch
 
     return launch(
         options,
         module="torsh_distributed.train",
-        args=["--config-json", config.to_json()],
+        args=["--config-json", config.to_json(), *(user.to_args() if user else [])],
     )
 
 
-def _train_here(config: TrainConfig) -> int:
-    from torsh_distributed.train.loop import train
+def _train_here(config: TrainConfig, user: UserFactories | None = None) -> int:
+    if user is not None:
+        user.engine(config).fit()
+        return 0
+    from torsh_distributed.train.trainer import train
 
     train(config)
     return 0
@@ -164,17 +257,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     parser = sub.add_parser(
         "train",
-        help="train the built-in GPT-style model on Python's own source (data parallel)",
+        help="train your model (--model/--dataset) or the built-in GPT on Python's own source",
         description=(
-            "Train a small GPT-style byte-level transformer on the text of the Python standard "
-            "library, with data parallelism over --nproc-per-node local ranks (Gloo on CPU, NCCL "
-            "when every rank has a GPU). --batch-size is the global batch: runs at different world "
-            "sizes see the same samples per step."
+            "Train with the engine on --nproc-per-node local ranks (Gloo on CPU, NCCL when every "
+            "rank has a GPU): your own model and dataset (--model MODULE:FUNCTION --dataset "
+            "MODULE:FUNCTION), or by default a small GPT-style byte-level transformer on the text "
+            "of the Python standard library. DDP, ZeRO-1/2/3, --tp, --pp, compression, "
+            "checkpoints and monitoring apply to both. --batch-size is the global batch: runs at "
+            "different world sizes see the same samples per step."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_launch_arguments(parser)
+    add_user_model_arguments(parser)
     add_config_arguments(parser)
     parser.set_defaults(handler=_handle)
 
@@ -185,13 +281,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m torsh_distributed.train",
         description="Run the built-in trainer on this rank (launch with `torsh-dist run`).",
     )
+    add_user_model_arguments(parser)
     add_config_arguments(parser)
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        user = user_factories(args)
     except ValueError as exc:
         parser.error(str(exc))
-    return _train_here(config)
+    return _train_here(config, user)
 
 
 if __name__ == "__main__":

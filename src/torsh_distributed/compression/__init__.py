@@ -10,6 +10,7 @@ from torsh_distributed.compression.base import (
     Timer,
     payload_bytes,
 )
+from torsh_distributed.compression.build import build_compressor
 from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.compression.ef21 import EF21
 from torsh_distributed.compression.hooks import (
@@ -24,7 +25,7 @@ from torsh_distributed.compression.powersgd import PowerSGD
 from torsh_distributed.compression.quantize import Cast, Int8
 from torsh_distributed.compression.sign import SignSGD, Ternary
 from torsh_distributed.compression.sparsify import RandomK, Threshold, TopK
-from torsh_distributed.compression.spec import Spec, build_compressor, parse_spec
+from torsh_distributed.compression.spec import Spec, parse_spec
 
 __all__ = [
     "EF21",

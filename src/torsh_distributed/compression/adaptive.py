@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from torsh_distributed.compression.base import Comm, Compressor, Payload, Timer
+from torsh_distributed.compression.spec import build_fixed
 
 __all__ = ["Adaptive", "LADDER"]
 
@@ -67,13 +68,11 @@ class Adaptive(Compressor):
         cv_threshold: float = 0.25,
         seed: int = 0,
     ) -> None:
-        from torsh_distributed.compression.spec import build_compressor
-
         if not ladder or ladder[0] != "none":
             raise ValueError(f"auto ladder must start with 'none', got {list(ladder)}")
         self.name = "auto"
         self.ladder = list(ladder)
-        self.methods = [build_compressor(s, seed=seed) for s in self.ladder]
+        self.methods = [build_fixed(s, seed=seed) for s in self.ladder]
         self.warmup_steps, self.probe_repeats = warmup_steps, probe_repeats
         self.margin, self.window, self.cv_threshold = margin, window, cv_threshold
         self.step = 0

@@ -1,4 +1,4 @@
-"""The trainer's ``compression`` section: the method and the DDP wrapper's options.
+"""The ``compression`` configuration section: the method, error feedback, warm-up.
 
 Torch-free, so that building and validating configs (the CLI) stays fast.
 """
@@ -14,7 +14,7 @@ __all__ = ["CompressionConfig"]
 
 @dataclass(kw_only=True, slots=True)
 class CompressionConfig:
-    """Gradient compression of data parallelism (DDP, ``zero_stage`` 0) and DDP's options."""
+    """Gradient compression of the data-parallel gradient exchange (``zero_stage`` 0)."""
 
     method: str = field(default="none", metadata={"flags": ["--compression"]})
     """none|fp16|bf16|int8|topk:R|randomk:R|threshold:T|sign|sign:vote|ternary|powersgd:RANK|
@@ -31,29 +31,6 @@ class CompressionConfig:
         default=False, metadata={"negatable": True, "flags": ["--stochastic-rounding"]}
     )
     """int8 rounds stochastically: unbiased, about twice the error of round-to-nearest."""
-    bucket_cap_mb: float = field(default=25.0, metadata={"flags": ["--bucket-cap-mb"]})
-    """DDP gradient bucket size in MiB: larger = fewer, larger exchanges (better bandwidth, less
-    overlap with backward). Compression works per bucket."""
-    first_bucket_mb: float = field(default=0.0, metadata={"flags": ["--first-bucket-mb"]})
-    """Size of the first bucket (the last layers' gradients, ready first); a small one starts
-    communication earlier. 0 = the same as ``bucket_cap_mb``."""
-    static_graph: bool = field(
-        default=False, metadata={"negatable": True, "flags": ["--static-graph"]}
-    )
-    """Tell DDP the set of used parameters never changes: enables its static-graph optimisations."""
-    gradient_as_bucket_view: bool = field(
-        default=False, metadata={"negatable": True, "flags": ["--gradient-as-bucket-view"]}
-    )
-    """Gradients are views into DDP's buckets: saves one gradient copy of memory and a copy per step."""
-    find_unused_parameters: bool = field(
-        default=False, metadata={"negatable": True, "flags": ["--find-unused-parameters"]}
-    )
-    """Traverse the graph each step to find parameters without gradients (costs time; needed
-    only when some parameters are skipped in forward)."""
-    init_sync: bool = field(default=True, metadata={"negatable": True, "flags": ["--init-sync"]})
-    """Broadcast rank 0's parameters when DDP wraps the model (ranks start identical anyway
-    from the shared seed; keep on unless startup time matters)."""
-
     def __post_init__(self) -> None:
         try:
             parse_spec(self.method)
@@ -65,12 +42,6 @@ class CompressionConfig:
             )
         if self.warmup_steps < 0:
             raise ValueError(f"compression.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"compression.bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-        if self.first_bucket_mb < 0:
-            raise ValueError(
-                f"compression.first_bucket_mb must be >= 0, got {self.first_bucket_mb}"
-            )
 
     @property
     def enabled(self) -> bool:

@@ -1,12 +1,14 @@
 """Adapters: any :class:`~torsh_distributed.compression.base.Compressor` as a DDP comm hook,
 with honest per-step accounting.
 
-``register_compression(ddp_model, compressor)`` registers :func:`compression_hook` with a
-:class:`CompressionHook` as its state. DDP calls the hook once per gradient bucket; the hook
-returns the mean over ranks of the bucket *as the method transmits it*. ``none`` keeps DDP's
-asynchronous all-reduce (overlapped with the rest of backward); every other method exchanges
-its payload synchronously inside the hook (its compression runs on the same cores as backward
-anyway on CPU; on slow links the bytes saved dominate).
+``register_compression(ddp_model, compressor)`` (a compressor or a spec string such as
+``"powersgd:4"``) registers :func:`compression_hook` with a :class:`CompressionHook` as its
+state, in any training loop; on one process it registers nothing and returns ``None``. DDP
+calls the hook once per gradient bucket; the hook returns the mean over ranks of the bucket *as
+the method transmits it*. ``none`` keeps DDP's asynchronous all-reduce (overlapped with the rest
+of backward); every other method exchanges its payload synchronously inside the hook (its
+compression runs on the same cores as backward anyway on CPU; on slow links the bytes saved
+dominate).
 
 Accounting, per step and in total: ``bytes_uncompressed`` (what this rank's links would carry
 for DDP's fp32 ring all-reduce of the same buckets: ``2 (w - 1) / w`` times the bucket bytes),
@@ -34,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torsh_distributed.compression.base import Comm, Compressor, Identity, Timer
+from torsh_distributed.compression.build import build_compressor
+from torsh_distributed.compression.spec import parse_spec
 
 __all__ = [
     "Bucket",
@@ -150,6 +154,19 @@ class CompressionHook:
     @property
     def method(self) -> str:
         return self.compressor.name
+
+    def observe_loss(self, loss: float) -> None:
+        """Feed this step's training loss to a compressor that adapts to it; else a no-op.
+
+        ``auto`` (:class:`~torsh_distributed.compression.adaptive.Adaptive`) backs off to lighter
+        compression when the loss turns unstable, and sees the loss only through this call: a
+        loop using ``auto`` calls it once per optimizer step with the training loss (a float:
+        ``loss.item()``). Only rank 0's losses are judged (rank 0 broadcasts the decision), so
+        every rank may pass its own. Other methods ignore it.
+        """
+        observe = getattr(self.compressor, "observe_loss", None)
+        if observe is not None:
+            observe(float(loss))
 
     def _uncompressed(self, nbytes: int) -> int:
         w = self._world
@@ -287,24 +304,85 @@ compression_hook.__annotations__ = {
 
 def register_compression(
     model: nn.Module,
-    compressor: Compressor,
+    compressor: Compressor | str,
     *,
     allreduce_fn: Callable[[torch.Tensor, Any], None] | None = None,
     on_step: Callable[[StepStats], None] | None = None,
     warmup_steps: int = 0,
-) -> CompressionHook:
-    """Register ``compressor`` as the communication hook of DDP ``model``; returns the hook state
-    (arguments as :class:`CompressionHook`'s).
+) -> CompressionHook | None:
+    """Compress the gradient exchange of DDP ``model``; returns the hook state, or ``None``
+    where there is nothing to exchange.
 
-    DDP accepts one hook: registering a second raises torch's error.
+    Works in any training loop: call it once after wrapping the model, before the first
+    backward. DDP then calls the hook once per gradient bucket, and every rank's ``.grad`` holds
+    the mean as the method transmitted it. The same script runs on one process or many::
+
+        model = apply_ddp(model)                        # the model itself on one process
+        hook = register_compression(model, "powersgd:4")  # None on one process
+        for step, (x, y) in enumerate(batches):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if hook is not None:
+                hook.observe_loss(loss.item())  # only ``auto`` uses it; harmless otherwise
+
+    Save ``hook.state_dict()`` with the checkpoint (error-feedback residuals, PowerSGD factors,
+    ``auto``'s choices) and call :func:`prime_buckets` first when resuming must continue exactly.
+
+    Args:
+        model: The ``DistributedDataParallel`` model. With no process group, a world of one rank,
+            or a DDP group of one rank, no gradient is exchanged and nothing is registered (the
+            last warns: a DDP model in a larger world clearly expected an exchange).
+        compressor: A :class:`~torsh_distributed.compression.base.Compressor`, or a spec string
+            such as ``"topk:0.01"``, ``"powersgd:4"`` or ``"auto"``
+            (:func:`~torsh_distributed.compression.build.build_compressor` with each method's
+            default error feedback and seed 0; build it yourself for other settings). A spec is
+            validated even where nothing is registered, so a typo fails on one process too.
+        allreduce_fn: Optional summing all-reduce replacing ``dist.all_reduce`` for summable
+            payloads (``fn(tensor, group)``, in place).
+        on_step: Called with the :class:`StepStats` of every finished step (monitoring).
+        warmup_steps: Exchange exact fp32 means for this many steps first (see
+            :class:`CompressionHook`).
+
+    Returns:
+        The :class:`CompressionHook` (also found later by :func:`find_compression`), or ``None``
+        when nothing was registered.
 
     Raises:
-        TypeError: ``model`` is not a ``DistributedDataParallel``.
+        ValueError: an invalid spec string, or a model that is not ``DistributedDataParallel``
+            in a world of several ranks (FSDP/ZeRO reduce-scatter their gradients, and an
+            unwrapped model exchanges none, so there is no all-reduce to compress).
+        TypeError: ``compressor`` is neither a ``Compressor`` nor a string.
+        RuntimeError: a communication hook is already registered (torch's error: DDP takes one).
     """
-    if not isinstance(model, nn.parallel.DistributedDataParallel):
+    spec = parse_spec(compressor) if isinstance(compressor, str) else None
+    if spec is None and not isinstance(compressor, Compressor):
         raise TypeError(
-            f"register_compression needs a DistributedDataParallel model, got {type(model).__name__}"
+            f"register_compression: compressor must be a Compressor or a spec string such as "
+            f"'topk:0.01', got {type(compressor).__name__}"
         )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        if world > 1:
+            raise ValueError(
+                f"register_compression needs a DistributedDataParallel model (wrap it with "
+                f"torsh_distributed.parallel.data.apply_ddp), got {type(model).__name__} in a "
+                f"world of {world} ranks: compression replaces DDP's gradient all-reduce"
+            )
+        log.debug("register_compression: one process, no gradient exchange to compress")
+        return None
+    if model.process_group.size() == 1:
+        if world > 1:
+            warnings.warn(
+                f"register_compression: the DDP model's process group has one rank (world size "
+                f"{world}); no gradient is exchanged, so nothing is compressed",
+                stacklevel=2,
+            )
+        return None
+    if spec is not None:
+        compressor = build_compressor(spec)
+    assert isinstance(compressor, Compressor)
     positions = {id(p): i for i, p in enumerate(model.module.parameters())}
     state = CompressionHook(
         compressor,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torsh_distributed.compression.base import Compressor
 
-__all__ = ["Spec", "parse_spec", "build_compressor", "SPEC_HELP", "EF_DEFAULT"]
+__all__ = ["Spec", "parse_spec", "build_fixed", "SPEC_HELP", "EF_DEFAULT"]
 
 SPEC_HELP = (
     "none|fp16|bf16|int8|topk:R|randomk:R|threshold:T|sign|sign:vote|ternary|powersgd:RANK|"
@@ -136,14 +136,17 @@ def _base(spec: Spec, *, stochastic_rounding: bool, seed: int) -> Compressor:
     return powersgd.PowerSGD(int(spec.value), seed=seed)
 
 
-def build_compressor(
+def build_fixed(
     spec: str | Spec,
     *,
     error_feedback: bool | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
 ) -> Compressor:
-    """The compressor a spec names, with error feedback as requested.
+    """The fixed (non-``auto``) compressor a spec names, with error feedback as requested.
+
+    ``auto`` chooses among fixed methods built here, so it lives one layer up
+    (:func:`torsh_distributed.compression.build.build_compressor` builds every spec).
 
     Args:
         spec: Spec string or parsed :class:`Spec`.
@@ -160,9 +163,10 @@ def build_compressor(
     if parsed.kind in ("none", "auto", "ef21") and error_feedback:
         raise ValueError(f"error_feedback does not apply to compression {parsed}")
     if parsed.kind == "auto":
-        from torsh_distributed.compression.adaptive import Adaptive
-
-        return Adaptive(seed=seed)
+        raise ValueError(
+            "build_fixed builds fixed methods; 'auto' is built by "
+            "torsh_distributed.compression.build.build_compressor"
+        )
     if parsed.kind == "ef21":
         from torsh_distributed.compression.ef21 import EF21
 

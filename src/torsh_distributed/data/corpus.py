@@ -9,6 +9,9 @@ Sampling is a pure function of ``(seed, step)``: the global batch for a step is 
 rank ``r`` of ``n`` takes rows ``[r*B/n, (r+1)*B/n)``. Runs at different world sizes with the
 same flags therefore see exactly the same samples per step, which is what makes data-parallel
 training comparable to single-process training (and resumable at any step).
+
+:class:`TokenWindows` exposes the same windows as a map-style dataset, so the generic samplers of
+:mod:`torsh_distributed.data.sampler` reproduce :func:`sample_batch` exactly.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
 
 from torsh_distributed.data.config import DataConfig
 
-__all__ = ["Corpus", "load_corpus", "sample_batch"]
+__all__ = ["Corpus", "TokenWindows", "load_corpus", "sample_batch"]
 
 _SEPARATOR = b"\n\n# ---- %s ----\n"
 
@@ -124,3 +128,63 @@ def sample_batch(
     offsets = torch.arange(block_size + 1)
     windows = tokens[mine[:, None] + offsets]
     return windows[:, :-1], windows[:, 1:]
+
+
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Every window of a token stream as a map-style dataset: inputs and next-token targets.
+
+    Item ``i`` is ``(tokens[i : i + block_size], tokens[i + 1 : i + 1 + block_size])`` for
+    ``0 <= i < len(tokens) - block_size - 1``, the same range :func:`sample_batch` draws window
+    starts from. ``__getitems__`` gathers a whole batch in one indexing operation, so that
+    ``fetch(TokenWindows(t, bs), shard(ReplacementSampler(len, global_batch=B, seed=s)
+    .indices(step), rank=r, num_ranks=n))`` returns ``[x, y]`` bit-identical to
+    ``sample_batch(t, seed=s, step=step, batch_size=B, block_size=bs, rank=r, num_ranks=n)``.
+
+    Items are views of ``tokens`` (no copy until a batch is collated).
+
+    Args:
+        tokens: 1-D token stream, e.g. :attr:`Corpus.train`.
+        block_size: Sequence length of each item.
+
+    Raises:
+        ValueError: ``tokens`` is not 1-D, ``block_size`` < 1, or ``tokens`` holds fewer than
+            ``block_size + 2`` tokens (no window).
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if tokens.numel() < block_size + 2:
+            raise ValueError(
+                f"tokens holds {tokens.numel()} tokens but block_size {block_size} needs at "
+                f"least {block_size + 2}"
+            )
+        self.tokens = tokens
+        self.block_size = block_size
+        self._offsets = torch.arange(block_size + 1)
+
+    def __len__(self) -> int:
+        return self.tokens.numel() - self.block_size - 1
+
+    def _starts(self, indices: torch.Tensor) -> torch.Tensor:
+        n = len(self)
+        if indices.numel() and not bool(((indices >= -n) & (indices < n)).all()):
+            bad = indices[(indices < -n) | (indices >= n)][0].item()
+            raise IndexError(f"index {bad} is out of range for {n} windows")
+        return torch.where(indices < 0, indices + n, indices)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = int(self._starts(torch.tensor([index]))[0])
+        return (
+            self.tokens[start : start + self.block_size],
+            self.tokens[start + 1 : start + 1 + self.block_size],
+        )
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Items ``indices`` in one vectorised gather (torch's batched-fetch protocol)."""
+        starts = self._starts(torch.as_tensor(indices, dtype=torch.long))
+        windows = self.tokens[starts[:, None] + self._offsets]
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+        return list(zip(inputs, targets, strict=True))

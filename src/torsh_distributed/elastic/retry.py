@@ -1,21 +1,31 @@
-"""Retry with exponential backoff, and a circuit breaker, for store and network operations.
+"""Retry with exponential backoff (on tenacity), and a circuit breaker, for store and network
+operations.
 
 :class:`Backoff` says how long to wait before attempt ``n`` (exponential, capped, with jitter so that
 many ranks retrying a store do not hammer it in lock-step). :func:`retry` runs a call until it
-succeeds, the attempts or the deadline run out, or it raises an error that is not transient.
+succeeds, the attempts or the deadline run out, or it raises an error that is not transient; the
+loop itself is tenacity's ``Retrying`` (stop, wait, exception filter, sleep), with
+:meth:`Backoff.delay` as its wait: tenacity's jitter is additive (``wait_random``) or full
+(``wait_random_exponential``), not the relative spread documented here.
 :class:`CircuitBreaker` stops calling an operation that keeps failing: after ``failure_threshold``
 consecutive failures it *opens* and fails fast with :class:`CircuitOpenError` for
 ``reset_timeout_s``, then lets one trial call through (*half-open*); success closes it again.
+tenacity has no circuit breaker; ours is kept (about 60 lines) for its injectable clock and its
+error in the package's hierarchy, rather than adding pybreaker for it.
 """
 
 from __future__ import annotations
 
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+
+import tenacity
+import torch.distributed as dist
 
 from torsh_distributed.runtime.errors import CommunicationError, DistributedTimeoutError
 
@@ -24,12 +34,15 @@ __all__ = ["Backoff", "retry", "CircuitBreaker", "CircuitOpenError", "TRANSIENT"
 T = TypeVar("T")
 
 TRANSIENT: tuple[type[BaseException], ...] = (
-    ConnectionError,
-    TimeoutError,
-    OSError,
-    RuntimeError,  # torch's store raises RuntimeError/DistStoreError for refused/reset connections
+    ConnectionError,  # refused, reset, aborted, broken pipe
+    TimeoutError,  # socket timeouts
+    socket.gaierror,  # name resolution, often not ready yet while a cluster starts
+    dist.DistNetworkError,  # torch's stores: connection refused/reset, socket timeout
+    dist.DistStoreError,  # torch's stores: a wait or get that timed out
 )
-"""Exceptions :func:`retry` treats as transient by default."""
+"""Exceptions :func:`retry` treats as transient by default: network and store failures only.
+Not every ``OSError`` (a missing file does not come back) nor every ``RuntimeError`` (torch's
+usage errors are RuntimeErrors); pass ``retry_on=(*TRANSIENT, ...)`` to widen it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,8 +162,10 @@ def retry(
     Args:
         fn: The operation (no arguments; use a lambda).
         backoff: Delays and attempt count; default :class:`Backoff`.
-        retry_on: Exception types worth retrying; others propagate at once.
-        deadline_s: Give up when the next attempt would start after this many seconds.
+        retry_on: Exception types worth retrying; others propagate at once, unchanged. Wider
+            types retry mistakes too (each costs the whole backoff before the error shows).
+        deadline_s: Give up when the next attempt would start this many seconds or more after
+            the first (tenacity's ``stop_before_delay``).
         breaker: Route calls through this circuit breaker; an open circuit is not retried.
         operation: Names the operation in the final error.
         sleep: Sleep function (tests pass a fake one).
@@ -160,23 +175,25 @@ def retry(
         CircuitOpenError: the breaker is open.
     """
     policy = backoff or Backoff()
+    stop = tenacity.stop_after_attempt(policy.max_attempts)
+    if deadline_s is not None:
+        stop = stop | tenacity.stop_before_delay(deadline_s)
+    retrying = tenacity.Retrying(
+        stop=stop,
+        wait=lambda state: policy.delay(state.attempt_number - 1),
+        retry=tenacity.retry_if_exception_type(retry_on)
+        & tenacity.retry_if_not_exception_type(CircuitOpenError),
+        sleep=sleep,
+    )
+    call: Callable[[], T] = fn if breaker is None else (lambda: breaker.call(fn))
     started = time.monotonic()
-    last: BaseException | None = None
-    for attempt in range(policy.max_attempts):
-        try:
-            return breaker.call(fn) if breaker is not None else fn()
-        except CircuitOpenError:
-            raise
-        except retry_on as exc:
-            last = exc
-        if attempt + 1 == policy.max_attempts:
-            break
-        delay = policy.delay(attempt)
-        if deadline_s is not None and time.monotonic() - started + delay > deadline_s:
-            break
-        sleep(delay)
+    try:
+        return retrying(call)
+    except tenacity.RetryError as err:
+        attempts = err.last_attempt.attempt_number
+        last = err.last_attempt.exception()
     raise DistributedTimeoutError(
-        f"{operation} failed after {attempt + 1} attempt(s) in {time.monotonic() - started:.2f} s: "
+        f"{operation} failed after {attempts} attempt(s) in {time.monotonic() - started:.2f} s: "
         f"{type(last).__name__}: {last}",
         operation=operation,
         fix="check that the store/server is reachable; raise the attempts or the deadline",

@@ -2,14 +2,20 @@
 
 ::
 
-    state = ElasticState(model=model, optimizer=opt, manager=CheckpointManager("ckpt"), epoch=0, step=0)
+    from torsh_distributed import elastic
+    from torsh_distributed.checkpoint import CheckpointManager
+
+    state = elastic.ElasticState(
+        model=model, optimizer=opt, manager=CheckpointManager("ckpt"), epoch=0, step=0
+    )
 
     @elastic.run
     def train(state):
-        for state.step in range(state.step, total):
-            ...
+        while state.step < total:
+            ...                                # one optimizer step
+            state.step += 1                    # steps done
             if state.step % 100 == 0:
-                state.commit(step=state.step)   # in-memory snapshot + durable checkpoint
+                state.commit(step=state.step)  # in-memory snapshot + durable checkpoint
 
     train(state)   # after a restart by `torsh-dist run --max-restarts K`, continues at the last commit
 
@@ -17,7 +23,8 @@ Under torch's elastic agent a failed worker is not repaired in place: the agent 
 and starts them again, so durability comes from the :class:`CheckpointManager` (``commit`` saves,
 ``run`` loads the newest valid checkpoint and syncs). ``restore`` rolls the in-memory state back
 to the last commit, for code that catches a recoverable error (say, a NaN loss) itself. Plain
-values (epoch, step, anything JSON) are attributes of the state.
+values (epoch, step, anything JSON) are attributes of the state. Nothing here knows the engine:
+any model (plain, DDP or FSDP2) and any optimizer work.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torsh_distributed.checkpoint.manager import CheckpointManager
 from torsh_distributed.runtime.errors import CheckpointError
@@ -60,7 +68,10 @@ class ElasticState:
         manager: CheckpointManager | None = None,
         **values: Any,
     ) -> None:
-        json.dumps(values)  # fail early on values a checkpoint could not hold
+        try:  # fail early on values a checkpoint could not hold
+            json.dumps(values)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"ElasticState values must be JSON-serialisable: {exc}") from None
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "manager", manager)
@@ -79,8 +90,15 @@ class ElasticState:
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN:
             object.__setattr__(self, name, value)
-        else:
-            self._values[name] = value
+            return
+        try:  # here, not at the next durable commit, where the loop would die mid-run
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"ElasticState value {name!r} must be JSON-serialisable (numbers, strings, lists, "
+                f"dicts); got {type(value).__name__}: {exc}"
+            ) from None
+        self._values[name] = value
 
     @property
     def values(self) -> dict[str, Any]:
@@ -123,7 +141,10 @@ class ElasticState:
         if self.model is not None:
             self.model.load_state_dict(snap["model"])
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(snap["optim"])
+            # a copy: torch's load_state_dict keeps the given state tensors (same dtype and
+            # device), so later steps would update the snapshot in place and a second restore
+            # would roll back to the wrong state
+            self.optimizer.load_state_dict(copy.deepcopy(snap["optim"]))
 
     def load_latest(self) -> int | None:
         """Load the newest valid checkpoint of the manager (collective); its step, or ``None``."""
@@ -136,20 +157,25 @@ class ElasticState:
         return loaded.step
 
     def sync(self, *, root: int = 0) -> None:
-        """Broadcast model parameters/buffers and the values from ``root`` to every rank."""
+        """Broadcast model parameters/buffers and the values from ``root`` to every rank.
+
+        Collective. Sharded tensors (FSDP2's DTensor shards) differ per rank by design and are
+        left alone: they agree because every rank loaded the same checkpoint. Optimizer state is
+        not broadcast either: under torch's agent every worker restarts together, so each either
+        starts empty or loads the same checkpoint (Horovod's sync serves workers that join a
+        running job, which torch's agent does not do).
+        """
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         if self.model is not None:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(tensor.data, src=root)
-        blob = json.dumps(self._values).encode()
-        size = torch.tensor([len(blob)], dtype=torch.int64)
-        dist.broadcast(size, src=root)
-        data = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if dist.get_rank() == root:
-            data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        dist.broadcast(data, src=root)
-        object.__setattr__(self, "_values", json.loads(bytes(data.tolist()).decode()))
+                if not isinstance(tensor, DTensor):
+                    dist.broadcast(tensor.data, src=root)
+        # torch's object broadcast (it stages through the current CUDA device under NCCL, which
+        # a hand-made CPU-tensor broadcast cannot use)
+        box = [self._values if dist.get_rank() == root else None]
+        dist.broadcast_object_list(box, src=root)
+        object.__setattr__(self, "_values", box[0])
 
 
 def run(fn: Callable[..., T]) -> Callable[..., T]:

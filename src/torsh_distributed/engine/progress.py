@@ -94,6 +94,7 @@ _LABELS = {
     "initial_loss": "initial train loss",
     "final_loss": "final train loss (last 10)",
     "val_loss": "validation loss",
+    "samples_per_s": "samples/s (all ranks)",
     "tokens_per_s": "tokens/s (all ranks)",
     "world_size": "world size",
     "backend": "backend",

@@ -10,7 +10,7 @@ from torch import nn
 
 from torsh_distributed.models.config import ModelConfig
 
-__all__ = ["GPT", "Block"]
+__all__ = ["GPT", "Block", "lm_loss"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,7 +62,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer over bytes; ``forward(idx, targets)`` returns logits and loss."""
+    """Decoder-only transformer over bytes: ``forward(idx)`` returns logits,
+    ``forward(idx, targets)`` ``(logits, loss)``; splittable into pipeline stages at ``blocks.<i>``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -95,16 +96,42 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _, seq = idx.shape
-        if seq > self.config.block_size:
-            raise ValueError(f"sequence length {seq} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(seq, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits of ``idx``, or ``(logits, loss)`` when ``targets`` are given.
+
+        Follows the pipeline contract (:mod:`torsh_distributed.parallel.pipeline`): a stage has
+        some of ``tok_emb``/``pos_emb``/``drop`` (first stage), ``ln_f``/``head`` (last stage)
+        set to ``None`` and a slice of ``blocks``; the parts missing are skipped, so a stage
+        without the embeddings takes hidden states and one without the head returns them.
+
+        Args:
+            idx: Token ids ``(batch, seq)``, or hidden states on a stage without embeddings.
+            targets: Next-token ids ``(batch, seq)``; ignored on a stage without the head.
+        """
+        x = idx
+        if self.tok_emb is not None:
+            seq = idx.shape[1]
+            if seq > self.config.block_size:
+                raise ValueError(
+                    f"sequence length {seq} exceeds block_size {self.config.block_size}"
+                )
+            x = self.tok_emb(idx)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(seq, device=idx.device))
+        if self.drop is not None:
+            x = self.drop(x)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.head is None:
+            return x
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        return logits, lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position (of a batch or a micro-batch)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

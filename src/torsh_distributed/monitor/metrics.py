@@ -8,21 +8,24 @@ means into one small float64 tensor and all-gathers it: the only communication m
 The slowest rank is the one with the largest *busy* time (step time minus time spent waiting on
 communication): under data parallelism every rank's total step time is the same (the fast ranks
 wait for the slow one inside the gradient all-reduce), so only the busy time tells them apart.
+
+Custom metrics (:meth:`StepMonitor.log <torsh_distributed.monitor.step.StepMonitor.log>`) ride in
+the same tensor: their columns follow :data:`FIELDS`, named ``custom.<name>`` in each rank's row.
 """
 
 from __future__ import annotations
 
-import os
-import resource
 import statistics
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CUSTOM_PREFIX",
     "FIELDS",
     "PHASES",
     "WindowStats",
@@ -52,6 +55,9 @@ FIELDS: tuple[str, ...] = (
 )
 """Columns of the gathered tensor: one row per rank, window means (phases in seconds per step)."""
 
+CUSTOM_PREFIX = "custom."
+"""Prefix of custom metric columns in :attr:`Aggregate.ranks` and of their keys in :meth:`Aggregate.flat`."""
+
 
 @dataclass(slots=True)
 class WindowStats:
@@ -62,8 +68,10 @@ class WindowStats:
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     samples: int = 0
     tokens: int = 0
-    loss: float = float("nan")
+    loss: Any = float("nan")
+    """Last step's loss: a float, or a 0-d tensor until the aggregation converts it."""
     grad_norm: Any = float("nan")
+    """Last step's gradient norm: a float, or a 0-d tensor until the aggregation converts it."""
     lr: float = float("nan")
     comm_bytes: float = 0.0
     comm_time: float = 0.0
@@ -103,7 +111,9 @@ class Aggregate:
 
     step: int
     ranks: list[dict[str, float]]
-    """Per rank (index = rank): field -> window mean."""
+    """Per rank (index = rank): field -> window mean (``custom.<name>`` for custom metrics)."""
+    custom: tuple[str, ...] = ()
+    """Names of the custom metrics, in column order (without the ``custom.`` prefix)."""
 
     def column(self, name: str) -> list[float]:
         return [r[name] for r in self.ranks]
@@ -115,6 +125,15 @@ class Aggregate:
             nan = float("nan")
             return {"min": nan, "median": nan, "max": nan}
         return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+    def custom_stat(self, name: str) -> dict[str, float]:
+        """``mean``, ``min``, ``max`` across ranks of custom metric ``name`` (ranks that logged
+        nothing in the window are ignored; all NaN when none did)."""
+        values = [v for v in self.column(CUSTOM_PREFIX + name) if v == v]
+        if not values:
+            nan = float("nan")
+            return {"mean": nan, "min": nan, "max": nan}
+        return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
     @property
     def busy(self) -> list[float]:
@@ -158,6 +177,9 @@ class Aggregate:
         step_time = out["step_time_median"]
         out["comm_share"] = out["comm_wait_median"] / step_time if step_time > 0 else 0.0
         out["data_share"] = out["data_median"] / step_time if step_time > 0 else 0.0
+        for name in self.custom:
+            for key, value in self.custom_stat(name).items():
+                out[f"{CUSTOM_PREFIX}{name}_{key}"] = value
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,17 +193,28 @@ class Aggregate:
         }
 
 
-def aggregate(rows: torch.Tensor | list[list[float]]) -> Aggregate:
-    """Build an :class:`Aggregate` from the gathered ``[world_size, len(FIELDS)]`` matrix."""
+def aggregate(rows: torch.Tensor | list[list[float]], *, custom: Sequence[str] = ()) -> Aggregate:
+    """Build an :class:`Aggregate` from the gathered ``[world_size, len(FIELDS) + len(custom)]`` matrix.
+
+    Args:
+        rows: One row per rank: the :data:`FIELDS`, then one column per custom metric.
+        custom: Names of the custom metric columns, in order.
+    """
+    columns = (*FIELDS, *(CUSTOM_PREFIX + name for name in custom))
     matrix = rows.tolist() if isinstance(rows, torch.Tensor) else rows
-    if not matrix or any(len(r) != len(FIELDS) for r in matrix):
-        raise ValueError(f"expected rows of {len(FIELDS)} fields ({', '.join(FIELDS)})")
-    ranks = [dict(zip(FIELDS, map(float, r), strict=True)) for r in matrix]
-    return Aggregate(step=int(max(r["step"] for r in ranks)), ranks=ranks)
+    if not matrix or any(len(r) != len(columns) for r in matrix):
+        extra = f" + {len(custom)} custom" if custom else ""
+        raise ValueError(f"expected rows of {len(FIELDS)}{extra} fields ({', '.join(columns)})")
+    ranks = [dict(zip(columns, map(float, r), strict=True)) for r in matrix]
+    return Aggregate(step=int(max(r["step"] for r in ranks)), ranks=ranks, custom=tuple(custom))
 
 
-def gather(row: list[float], *, device: torch.device | None = None) -> Aggregate:
-    """All-gather one row per rank (collective on the default group) and aggregate."""
+def gather(row: list[float], *, device: torch.device | None = None, custom: Sequence[str] = ()) -> Aggregate:
+    """All-gather one row per rank (collective on the default group) and aggregate.
+
+    Every rank must pass rows of the same length (the same ``custom`` names): the all-gather
+    cannot tell a mismatch from a bug.
+    """
     mine = torch.tensor(row, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -189,32 +222,27 @@ def gather(row: list[float], *, device: torch.device | None = None) -> Aggregate
         matrix = torch.stack(parts).cpu()
     else:
         matrix = mine.cpu().unsqueeze(0)
-    return aggregate(matrix)
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    return aggregate(matrix, custom=custom)
 
 
 def rss_bytes() -> float:
-    """Resident set size of this process now (``/proc``), else its peak (``getrusage``)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return float(int(f.read().split()[1]) * _PAGE)
-    except (OSError, IndexError, ValueError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return float(peak if sys.platform == "darwin" else peak * 1024)
+    """Resident set size of this process now (psutil)."""
+    return float(psutil.Process().memory_info().rss)
+
+
+# cgroup v2, then v1. psutil reports the machine's memory, not the container's limit, which is
+# what an out-of-memory kill is measured against; so the limit is read by hand.
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 def memory_limit_bytes() -> float:
     """Memory available to this machine's processes: the cgroup limit if set, else physical RAM."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in _CGROUP_LIMITS:
         try:
-            text = open(path).read().strip()  # noqa: SIM115 - tiny read
+            with open(path) as f:
+                text = f.read().strip()
         except OSError:
             continue
-        if text.isdigit() and int(text) < 1 << 60:
+        if text.isdigit() and int(text) < 1 << 60:  # v1 writes "unlimited" as a huge number
             return float(text)
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return float("nan")
+    return float(psutil.virtual_memory().total)

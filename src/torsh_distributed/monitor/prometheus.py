@@ -6,14 +6,23 @@ exporters can coexist in one process (tests) and nothing from other libraries le
 
 Prometheus attaches its own ``job`` label from the scrape config; set ``honor_labels: true`` on
 the scrape job to keep ours (otherwise ours is renamed ``exported_job``).
+
+Custom metrics (``StepMonitor.log``) share one gauge, ``torsh_custom{job, rank, name}``: a label
+keeps the user's name as written (no sanitising, no clash with our metric names) and one Grafana
+query (``torsh_custom{name="accuracy"}``) covers any of them.
+
+The exporter is a :class:`~torsh_distributed.monitor.sinks.MetricsSink`: the step monitor builds
+it from ``monitor.metrics_port`` and calls :meth:`update` at each aggregation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
-from torsh_distributed.monitor.metrics import PHASES, Aggregate
+from torsh_distributed.monitor.anomaly import Anomaly
+from torsh_distributed.monitor.metrics import CUSTOM_PREFIX, PHASES, Aggregate
 
 __all__ = ["PrometheusExporter", "available"]
 
@@ -67,6 +76,8 @@ class PrometheusExporter:
         self.imbalance = gauge("torsh_imbalance_ratio", "Busy time of the slowest rank over the median.", jobbed)
         self.total_tokens = gauge("torsh_job_tokens_per_second", "Tokens per second, all ranks.", jobbed)
         self.alerts = gauge("torsh_alerts_active", "Active alerts by severity.", ["job", "severity"])
+        self.custom = gauge("torsh_custom", "Custom metric logged by the training loop (window mean "
+                            "of the rank).", ["job", "rank", "name"])
         self.anomalies = Counter("torsh_anomalies", "Anomalies detected.", ["job", "metric"], registry=r)
         self._server: Any = None
         self.port = port
@@ -81,8 +92,18 @@ class PrometheusExporter:
                     "choose another --metrics-port"
                 ) from exc
 
-    def update(self, agg: Aggregate, *, alerts_by_severity: dict[str, int] | None = None) -> None:
-        """Set every gauge from one aggregation."""
+    def update(
+        self,
+        agg: Aggregate,
+        *,
+        alerts_by_severity: dict[str, int] | None = None,
+        anomalies: list[Anomaly] | None = None,
+    ) -> None:
+        """Set every gauge from one aggregation and count its new anomalies.
+
+        A custom metric a rank did not log in the window (NaN) has its series removed rather
+        than left at a stale value.
+        """
         job = self.job
         for rank, row in enumerate(agg.ranks):
             labels = (job, str(rank))
@@ -99,11 +120,20 @@ class PrometheusExporter:
             self.comm_bytes.labels(*labels).set(row["comm_bytes"])
             self.comm_time.labels(*labels).set(row["comm_time"])
             self.step.labels(*labels).set(row["step"])
+            for name in agg.custom:
+                value = row[CUSTOM_PREFIX + name]
+                if math.isfinite(value):
+                    self.custom.labels(job, str(rank), name).set(value)
+                else:
+                    with contextlib.suppress(KeyError):  # KeyError: never set
+                        self.custom.remove(job, str(rank), name)
         self.slowest.labels(job).set(agg.slowest_rank)
         self.imbalance.labels(job).set(agg.imbalance)
         self.total_tokens.labels(job).set(agg.tokens_per_s)
         for severity in ("info", "warning", "critical"):
             self.alerts.labels(job, severity).set((alerts_by_severity or {}).get(severity, 0))
+        for anomaly in anomalies or ():
+            self.count_anomaly(anomaly.metric)
 
     def count_anomaly(self, metric: str) -> None:
         self.anomalies.labels(self.job, metric).inc()

@@ -8,6 +8,10 @@ Rules (each finding carries concrete recommendations with the trainer flags to t
 * data loading > 10 % of the step on any rank -> more loader workers / prefetching;
 * busy-time imbalance > 1.2x (slowest rank over the median) -> name the slowest rank;
 * anomalies found by the z-score detector are listed.
+
+Custom metrics (``StepMonitor.log``) are summarised, not judged: ``custom[name]`` holds the last
+cross-rank mean and the mean / min / max over the whole run (warm-up included: they are the
+user's numbers, not timings).
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class Report:
     comm: list[dict[str, Any]] = field(default_factory=list)
     slowest_by_step: list[list[int]] = field(default_factory=list)
     """``[step, slowest rank]`` of every aggregation (the warm-up one included)."""
+    custom: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per custom metric: ``last`` (cross-rank mean of the last aggregation), ``mean`` (of the
+    cross-rank means over every aggregation), ``min`` and ``max`` (over ranks and aggregations)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,7 +75,7 @@ class Report:
             "imbalance": self.imbalance, "tokens_per_s": self.tokens_per_s,
             "memory": self.memory, "findings": [f.to_dict() for f in self.findings],
             "anomalies": self.anomalies, "alerts": self.alerts, "comm": self.comm,
-            "slowest_by_step": self.slowest_by_step,
+            "slowest_by_step": self.slowest_by_step, "custom": self.custom,
         }
 
     def format(self) -> str:
@@ -87,6 +94,10 @@ class Report:
             lines.append("  per rank (ms/step busy / comm wait): " + ", ".join(
                 f"r{p['rank']} {p['busy'] * 1e3:.1f} / {p['comm_wait'] * 1e3:.1f}" for p in self.per_rank
             ))
+        if self.custom:
+            lines.append("  custom metrics (last mean across ranks; min..max over the run): " + ", ".join(
+                f"{name} {s['last']:.4g} ({s['min']:.4g}..{s['max']:.4g})" for name, s in self.custom.items()
+            ))
         if not self.findings:
             lines.append("  no bottleneck found")
         for f in self.findings:
@@ -98,6 +109,23 @@ class Report:
 def _mean(values: list[float]) -> float:
     values = [v for v in values if v == v]
     return statistics.fmean(values) if values else 0.0
+
+
+def _custom_summary(history: list[Aggregate]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    nan = float("nan")
+    for name in history[-1].custom:
+        stats = [a.custom_stat(name) for a in history if name in a.custom]
+        means = [s["mean"] for s in stats if s["mean"] == s["mean"]]
+        lows = [s["min"] for s in stats if s["min"] == s["min"]]
+        highs = [s["max"] for s in stats if s["max"] == s["max"]]
+        out[name] = {
+            "last": stats[-1]["mean"],
+            "mean": statistics.fmean(means) if means else nan,
+            "min": min(lows) if lows else nan,
+            "max": max(highs) if highs else nan,
+        }
+    return out
 
 
 def build_report(
@@ -208,4 +236,5 @@ def build_report(
         tokens_per_s=_mean([a.tokens_per_s for a in window]), memory=memory, findings=findings,
         anomalies=[a.to_dict() for a in anomalies or []], alerts=alerts or {}, comm=comm or [],
         slowest_by_step=[[a.step, a.slowest_rank] for a in history],
+        custom=_custom_summary(history),
     )

@@ -1,21 +1,31 @@
-"""Parallelism applied as functions that change a model in place and return it."""
+"""Parallelism applied as functions that change a model in place and return it; ``parallelize``
+applies them in one documented order."""
 
-from torsh_distributed.parallel.checkpointing import apply_ac  # issue 4
-from torsh_distributed.parallel.config import ParallelConfig  # issue 4
-from torsh_distributed.parallel.data import apply_ddp, unwrap
-from torsh_distributed.parallel.memory import measure_model_state  # issue 4
-from torsh_distributed.parallel.parallelize import build_parallel_model, parallelize  # issue 4
-from torsh_distributed.parallel.sharded import apply_fsdp, shard_optimizer  # issue 4
-from torsh_distributed.parallel.tp_plan import TPPlan, apply_tp_plan, resolve_tp_plan  # issue 7
+from torsh_distributed.parallel.blocks import find_blocks
+from torsh_distributed.parallel.checkpointing import apply_ac
+from torsh_distributed.parallel.config import ParallelConfig
+from torsh_distributed.parallel.data import DDPOptions, apply_ddp, no_grad_sync, unwrap
+from torsh_distributed.parallel.memory import measure_model_state
+from torsh_distributed.parallel.parallelize import materialize, parallelize
+from torsh_distributed.parallel.precision import LossScaler
+from torsh_distributed.parallel.sharded import apply_fsdp, shard_optimizer
+from torsh_distributed.parallel.tp_plan import TPPlan, apply_tp_plan, resolve_tp_plan
 
-__all__ = ["apply_ddp", "unwrap"]
-__all__ += [  # issue 4
+__all__ = [
+    "DDPOptions",
+    "LossScaler",
     "ParallelConfig",
+    "TPPlan",
     "apply_ac",
+    "apply_ddp",
     "apply_fsdp",
-    "build_parallel_model",
+    "apply_tp_plan",
+    "find_blocks",
+    "materialize",
     "measure_model_state",
+    "no_grad_sync",
     "parallelize",
+    "resolve_tp_plan",
     "shard_optimizer",
+    "unwrap",
 ]
-__all__ += ["TPPlan", "apply_tp_plan", "resolve_tp_plan"]  # issue 7

@@ -13,7 +13,7 @@ __all__ = ["ParallelConfig", "parse_activation_checkpointing", "ZERO_STAGES"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 _DTYPES = ("fp32", "bf16", "fp16")
-_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # issue 7
+_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def parse_activation_checkpointing(text: str) -> int:
@@ -82,13 +82,17 @@ class ParallelConfig:
     local shards: no rank ever holds the full model. The initial draw then differs from the
     default (same distribution), so losses are not comparable with a run without it."""
 
-    # --- model parallelism (issue 7): see parallel/tensor.py, parallel/pipeline.py ---
+    # --- model parallelism: see parallel/tp_plan.py, parallel/pipeline.py ---
     tp: int = field(default=1, metadata={"flags": ["--tp"]})
     """Tensor-parallel degree: attention heads, MLP width and vocabulary sharded over ``tp``
     ranks (innermost mesh axis). Saves memory per rank at the cost of two all-reduces per block."""
     pp: int = field(default=1, metadata={"flags": ["--pp"]})
-    """Pipeline-parallel degree: the blocks split by layer count into ``pp`` stages (times
-    ``virtual_stages``). Idle time (the bubble) is ``(pp-1)/(microbatches+pp-1)`` of a step."""
+    """Pipeline-parallel degree: the blocks split into ``pp`` stages (times ``virtual_stages``),
+    evenly or at ``pp_split``. Idle time (the bubble) is ``(pp-1)/(microbatches+pp-1)`` of a step."""
+    pp_split: str = field(default="", metadata={"flags": ["--pp-split"]})
+    """Comma-separated module names where stages 1, 2, ... begin (``layers.4`` or
+    ``layers.2,layers.5``): entries of the model's container of repeated blocks. Empty = an even
+    split of that container. Uneven splits balance a last stage that also runs the head."""
     dp: int = field(default=-1, metadata={"flags": ["--dp"]})
     """Data-parallel degree; -1 = the rest (world size / (tp * pp)). ``dp * tp * pp`` must equal
     the world size."""
@@ -122,8 +126,36 @@ class ParallelConfig:
 
     # --- end model parallelism ---
 
+    compile: bool = field(default=False, metadata={"negatable": True})
+    """``torch.compile`` each block (after activation checkpointing, before FSDP/DDP): faster
+    steps after a compilation pause at the start; needs a working C++ toolchain on CPU."""
+
+    # --- DDP's wrapper options (zero_stage 0-1 without tp/pp) ---
+    bucket_cap_mb: float = field(default=25.0, metadata={"flags": ["--bucket-cap-mb"]})
+    """DDP gradient bucket size in MiB: larger = fewer, larger exchanges (better bandwidth, less
+    overlap with backward). Compression works per bucket."""
+    first_bucket_mb: float = field(default=0.0, metadata={"flags": ["--first-bucket-mb"]})
+    """Size of the first bucket (the last layers' gradients, ready first); a small one starts
+    communication earlier. 0 = the same as ``bucket_cap_mb``."""
+    static_graph: bool = field(
+        default=False, metadata={"negatable": True, "flags": ["--static-graph"]}
+    )
+    """Tell DDP the set of used parameters never changes: enables its static-graph optimisations."""
+    gradient_as_bucket_view: bool = field(
+        default=False, metadata={"negatable": True, "flags": ["--gradient-as-bucket-view"]}
+    )
+    """Gradients are views into DDP's buckets: saves one gradient copy of memory and a copy per step."""
+    find_unused_parameters: bool = field(
+        default=False, metadata={"negatable": True, "flags": ["--find-unused-parameters"]}
+    )
+    """Traverse the graph each step to find parameters without gradients (costs time; needed
+    only when some parameters are skipped in forward)."""
+    init_sync: bool = field(default=True, metadata={"negatable": True, "flags": ["--init-sync"]})
+    """Broadcast rank 0's parameters when DDP wraps the model (ranks start identical anyway
+    from the shared seed; keep on unless startup time matters)."""
+
     def __post_init__(self) -> None:
-        self._check_model_parallel()  # issue 7
+        self._check_model_parallel()
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(
                 f"parallel.zero_stage must be one of 0, 1, 2, 3; got {self.zero_stage}"
@@ -146,11 +178,15 @@ class ParallelConfig:
                 f"MixedPrecisionPolicy): stages 0-1 are DDP, which all-reduces the fp32 gradients; "
                 f"use --compression {self.reduce_dtype} for a 16-bit all-reduce there"
             )
-        if (self.param_dtype, self.reduce_dtype) != ("fp32", "fp32") and self.model_parallel:
+        if "fp16" in (self.param_dtype, self.reduce_dtype) and self.model_parallel:
             raise ValueError(
-                "parallel.param_dtype/reduce_dtype other than fp32 do not combine with tp/pp > 1 "
-                "yet: the model-parallel loop has no autocast or loss scaling"
+                "parallel.param_dtype/reduce_dtype fp16 needs loss scaling, which does not combine "
+                "with tp/pp > 1 (sharded and per-stage gradients); use bf16 there"
             )
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"parallel.bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.first_bucket_mb < 0:
+            raise ValueError(f"parallel.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")
         self._check_loss_scale()
         parse_activation_checkpointing(self.activation_checkpointing)
         if self.wrap not in ("block", "size"):
@@ -177,7 +213,7 @@ class ParallelConfig:
                 stacklevel=3,
             )
 
-    def _check_model_parallel(self) -> None:  # issue 7 (world-size checks: parallel/_trainer_mp.py)
+    def _check_model_parallel(self) -> None:  # world-size checks: engine (before any collective)
         for name in ("tp", "pp", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
@@ -194,12 +230,30 @@ class ParallelConfig:
                 f"parallel.sequence_parallel needs parallel.tp > 1 (it shards the sequence over "
                 f"the tp axis); got tp={self.tp}"
             )
-        if self.model_parallel and (self.zero_stage == 1 or self.checkpoint_every or self.meta_init):
+        if self.model_parallel and self.zero_stage == 1:
             raise ValueError(
                 "parallel.tp/pp > 1 combine with zero_stage 0 (dp gradient all-reduce) or 2-3 "
-                "(FSDP2 over the dp axis), not yet with zero_stage 1, activation_checkpointing "
-                "or meta_init"
+                "(FSDP2 over the dp axis), not with zero_stage 1 (ZeroRedundancyOptimizer "
+                "broadcasts whole parameters, not tensor-parallel shards)"
             )
+        if self.pp_split and self.pp < 2:
+            raise ValueError(f"parallel.pp_split={self.pp_split!r} needs parallel.pp > 1")
+        names = [n.strip() for n in self.pp_split.split(",")] if self.pp_split else []
+        if any(not n for n in names):
+            raise ValueError(
+                f"parallel.pp_split must be comma-separated module names like layers.4,layers.8; "
+                f"got {self.pp_split!r}"
+            )
+        if names and len(names) != self.pp * self.virtual_stages - 1:
+            raise ValueError(
+                f"parallel.pp_split names {len(names)} split points; pp={self.pp} x "
+                f"virtual_stages={self.virtual_stages} stages need {self.pp * self.virtual_stages - 1}"
+            )
+
+    @property
+    def split_points(self) -> list[str] | None:
+        """``pp_split`` as a list of module names; ``None`` = an even split."""
+        return [n.strip() for n in self.pp_split.split(",")] if self.pp_split else None
 
     @property
     def checkpoint_every(self) -> int:

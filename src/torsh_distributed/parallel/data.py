@@ -9,14 +9,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DDPOptions", "apply_ddp", "ddp_options", "no_grad_sync", "unwrap"]
+__all__ = ["DDPOptions", "apply_ddp", "no_grad_sync", "unwrap"]
 
 _DDP_HAS_FORWARD_SYNC = (
     "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -25,7 +24,8 @@ _DDP_HAS_FORWARD_SYNC = (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DDPOptions:
-    """DDP's wrapper options (see :func:`apply_ddp` for each trade-off)."""
+    """DDP's wrapper options (see :func:`apply_ddp` for each trade-off); ``ParallelConfig``'s
+    fields of the same names fill it in ``parallelize``."""
 
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 0.0
@@ -36,24 +36,11 @@ class DDPOptions:
     broadcast_buffers: bool = False
 
 
-_OPTIONS: ContextVar[DDPOptions] = ContextVar("ddp_options", default=DDPOptions())  # noqa: B039 (frozen)
-
-
-@contextmanager
-def ddp_options(options: DDPOptions) -> Iterator[None]:
-    """Defaults of :func:`apply_ddp` inside the block (for callers that reach DDP through
-    ``parallelize`` without passing options themselves)."""
-    token = _OPTIONS.set(options)
-    try:
-        yield
-    finally:
-        _OPTIONS.reset(token)
-
-
 def apply_ddp(
     model: nn.Module,
     *,
     process_group: dist.ProcessGroup | None = None,
+    options: DDPOptions | None = None,
     bucket_cap_mb: float | None = None,
     broadcast_buffers: bool | None = None,
     first_bucket_mb: float | None = None,
@@ -65,12 +52,13 @@ def apply_ddp(
     """Wrap ``model`` in DDP over ``process_group`` (default: the world).
 
     Returns the model unchanged when there is no process group or a single rank, so callers need
-    no special case for ``world_size == 1``. Options left ``None`` come from the enclosing
-    :func:`ddp_options` block (defaults: :class:`DDPOptions`).
+    no special case for ``world_size == 1``. Options left ``None`` come from ``options``
+    (default: :class:`DDPOptions`).
 
     Args:
         model: Module whose parameters are already on this rank's device.
         process_group: Data-parallel group; ``None`` = the default group.
+        options: All wrapper options at once; the keyword arguments below override its fields.
         bucket_cap_mb: Gradient bucket size; larger buckets mean fewer, larger all-reduces
             (better bandwidth, less overlap with backward).
         broadcast_buffers: Re-broadcast buffers from rank 0 every forward. Off: our models
@@ -84,7 +72,7 @@ def apply_ddp(
             (needed only when forward skips parameters; costs a traversal).
         init_sync: Broadcast rank 0's parameters and buffers at wrap time.
     """
-    opts = _OPTIONS.get()
+    opts = options or DDPOptions()
     given = {
         "bucket_cap_mb": bucket_cap_mb, "broadcast_buffers": broadcast_buffers,
         "first_bucket_mb": first_bucket_mb, "static_graph": static_graph,

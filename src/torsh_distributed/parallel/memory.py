@@ -9,8 +9,9 @@ Model states are counted from the storages actually alive, deduplicated by addre
   scalars such as Adam's ``step`` are reported apart as ``optimizer_scalars``.
 
 ``held`` is storage bytes, ``useful`` the bytes of the elements this rank owns; the difference is
-shard padding. Peak process memory is the kernel's high-water mark of resident memory
-(``VmHWM`` in ``/proc/self/status``), which :func:`reset_peak_rss` resets (``clear_refs`` = 5);
+shard padding. Current process memory comes from psutil; peak process memory is the kernel's
+high-water mark of resident memory (``VmHWM`` in ``/proc/self/status``), which
+:func:`reset_peak_rss` resets (``clear_refs`` = 5), both read by hand because psutil has neither;
 on GPU, ``torch.cuda.max_memory_allocated`` as well.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -137,7 +139,11 @@ def _status_kib(field: str) -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident memory since start or :func:`reset_peak_rss`."""
+    """High-water mark of this process's resident memory since start or :func:`reset_peak_rss`.
+
+    Read by hand: psutil has no peak RSS on Linux (only Windows' ``peak_wset``), and only the
+    kernel's ``VmHWM`` can be reset between phases; elsewhere ``getrusage``'s lifetime peak.
+    """
     kib = _status_kib("VmHWM")
     if kib is not None:
         return kib * 1024
@@ -146,13 +152,16 @@ def peak_rss_bytes() -> int:
 
 
 def current_rss_bytes() -> int:
-    """Resident memory now (``VmRSS``); falls back to the peak where /proc is missing."""
-    kib = _status_kib("VmRSS")
-    return kib * 1024 if kib is not None else peak_rss_bytes()
+    """Resident memory of this process now (psutil: ``VmRSS`` on Linux, the task info on macOS)."""
+    return int(psutil.Process().memory_info().rss)
 
 
 def reset_peak_rss() -> bool:
-    """Reset the kernel's resident high-water mark to the current RSS (Linux); False if not."""
+    """Reset the kernel's resident high-water mark to the current RSS (Linux); False if not.
+
+    By hand: writing 5 to ``/proc/self/clear_refs`` is the kernel's only interface for this, and
+    psutil (which reads process memory, never resets it) has no equivalent.
+    """
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:

@@ -1,145 +1,198 @@
-"""Apply the data-parallel strategies to a model, in one documented order.
+"""Apply every parallelism to a model, in one documented order: the one composition path.
 
-Order (torchtitan's): **activation checkpointing** (wraps blocks; must see the plain blocks)
--> **(compile: not used)** -> **FSDP2** for stages 2-3 (shards each block, then the root; a
-checkpoint-wrapped block is sharded as a whole; mixed precision is its MixedPrecisionPolicy) or
-**autocast** (stages 0-1 with a 16-bit ``param_dtype``) then **DDP** (wraps the root; must be
-last because it snapshots the parameters it will all-reduce). With meta-device
-initialisation, FSDP2 shards the meta model and only the local shards are then allocated and
-initialised; DDP needs real tensors, so for stages 0-1 the model is materialised first.
+:func:`parallelize` changes a model in place and returns the module to call for forward. The
+order (torchtitan's, for the same reasons):
+
+1. **Tensor / sequence parallelism by plan** (:func:`~.tp_plan.apply_tp_plan` over the ``tp``
+   mesh axis): it must see the plain modules (their types and names) and its DTensors are what
+   FSDP then shards over ``dp`` (a 2-D layout).
+2. **Expert parallelism**: the slot where MoE layers will shard experts over the ``ep`` axis
+   (not built yet: ``ep > 1`` is refused).
+3. **Activation checkpointing** of the repeated blocks (every block or every k-th): wraps blocks,
+   so it must come after TP (which addresses modules inside them) and before FSDP (which shards
+   a checkpoint-wrapped block as one unit).
+4. **torch.compile** of each block (optional): compiles what the block computes, checkpointing
+   included; FSDP's hooks stay outside the compiled region.
+5. **Data parallelism**, last because it snapshots the parameters it will synchronise:
+   FSDP2 over the ``dp`` axis for ZeRO stages 2-3 (each block a unit, then the root; mixed
+   precision is its ``MixedPrecisionPolicy``), or for stages 0-1 ``autocast`` (16-bit
+   ``param_dtype``) then DDP over the ``dp`` group. DDP wraps only plain data parallelism: a
+   tensor-parallel model or a pipeline stage is not wrapped, and its dp gradients are averaged
+   by one flat all-reduce after backward (:func:`~.tensor.sync_grads`, which the engine calls and
+   gradient compression can replace).
+
+Pipeline parallelism builds stages (:mod:`.pipeline`) and calls this per stage. With meta-device
+initialisation, :func:`materialize` allocates and initialises after sharding (FSDP2, TP) or
+before wrapping (DDP needs real tensors): the engine decides which with :func:`materialize_first`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
+from torsh_distributed.comm.dims import ParallelDims
+from torsh_distributed.parallel.blocks import block_entries, find_blocks
 from torsh_distributed.parallel.checkpointing import apply_ac
 from torsh_distributed.parallel.config import ParallelConfig
-from torsh_distributed.parallel.data import apply_ddp
+from torsh_distributed.parallel.data import DDPOptions, apply_ddp
 from torsh_distributed.parallel.precision import apply_autocast
-from torsh_distributed.parallel.sharded import apply_fsdp, dp_mesh, select_units
+from torsh_distributed.parallel.sharded import apply_fsdp, select_units
+from torsh_distributed.parallel.tp_plan import TPPlan, apply_tp_plan
 
-__all__ = ["parallelize", "build_parallel_model", "check_world"]
+__all__ = ["parallelize", "materialize", "materialize_first", "check_world", "ddp_options"]
 
 
-def check_world(config: ParallelConfig, world_size: int) -> None:
-    """Reject settings that are meaningless at ``world_size``.
+def check_world(config: ParallelConfig, dp: int) -> None:
+    """Reject settings that are meaningless with ``dp`` data-parallel ranks.
 
     Raises:
-        ValueError: a ZeRO stage >= 1 with a single rank (there is nothing to shard across).
+        ValueError: a ZeRO stage >= 1 with a single data-parallel rank (nothing to shard across).
     """
-    if config.zero_stage >= 1 and world_size < 2:
+    if config.zero_stage >= 1 and dp < 2:
         raise ValueError(
             f"parallel.zero_stage {config.zero_stage} shards model states across data-parallel "
-            f"ranks, but the world has {world_size} rank; use zero_stage 0 or launch >= 2 ranks"
+            f"ranks, but there is {dp} data-parallel rank; use zero_stage 0 or launch "
+            f"dp >= 2 ranks"
         )
 
 
-def _units(
-    model: nn.Module, config: ParallelConfig, block_types: tuple[type[nn.Module], ...]
-) -> list[nn.Module]:
+def ddp_options(config: ParallelConfig) -> DDPOptions:
+    """DDP's wrapper options from the ``parallel`` section."""
+    return DDPOptions(
+        bucket_cap_mb=config.bucket_cap_mb,
+        first_bucket_mb=config.first_bucket_mb,
+        static_graph=config.static_graph,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+        find_unused_parameters=config.find_unused_parameters,
+        init_sync=config.init_sync,
+    )
+
+
+def _fsdp_units(model: nn.Module, config: ParallelConfig, blocks: str | None) -> list[nn.Module]:
     if config.wrap == "size":
         return select_units(model, min_params=config.wrap_min_params)
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    units = [
-        m
-        for m in model.modules()
-        if isinstance(m, CheckpointWrapper)
-        and isinstance(m._checkpoint_wrapped_module, block_types)
-    ]
-    wrapped = {id(m._checkpoint_wrapped_module) for m in units}  # type: ignore[union-attr]
-    units += [m for m in model.modules() if isinstance(m, block_types) and id(m) not in wrapped]
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    return sorted(units, key=lambda m: order[id(m)], reverse=True)
+    try:
+        _, container = find_blocks(model, blocks)
+    except ValueError:
+        warnings.warn(
+            f"{type(model).__name__} has no container of repeated blocks: the whole model is one "
+            "FSDP unit (parallel.wrap=size gives smaller units)",
+            stacklevel=3,
+        )
+        return []
+    return [m for _, m in block_entries(container)][::-1]  # innermost (last) first
 
 
 def parallelize(
     model: nn.Module,
+    dims: ParallelDims,
     config: ParallelConfig,
     *,
-    device: torch.device,
-    block_types: tuple[type[nn.Module], ...] = (),
-    blocks_attr: str = "blocks",
+    tp_plan: TPPlan | Mapping[str, str | ParallelStyle] | None = None,
+    strict_plan: bool = True,
+    pipeline_stage: bool = False,
+    blocks: str | None = None,
+    device: torch.device | None = None,
 ) -> nn.Module:
-    """Apply activation checkpointing, then FSDP2 (stages 2-3) or [autocast +] DDP (stages 0-1).
+    """Apply TP/SP -> (EP) -> activation checkpointing -> compile -> FSDP2 or DDP, in place.
 
     Args:
-        model: The model; its ``blocks_attr`` attribute (an ``nn.ModuleList``) holds the repeated
-            blocks that are checkpointed and sharded as units.
+        model: The model (or a pipeline stage of it), on its device or on ``meta``.
+        dims: Built :class:`~torsh_distributed.comm.dims.ParallelDims` (meshes and groups).
         config: The ``parallel`` section.
-        device: This rank's device (the mesh's device type).
-        block_types: Module types of the FSDP units for ``wrap=block`` (default: the types of
-            the modules in ``model.<blocks_attr>``).
-        blocks_attr: Attribute naming the block list.
+        tp_plan: How to shard over ``tp`` (required when ``dims.tp > 1``).
+        strict_plan: Every plan pattern must match a module; ``False`` for pipeline stages,
+            which hold only part of the model (validate the plan on the whole model first).
+        pipeline_stage: ``model`` is a pipeline stage: no DDP wrapper (the engine averages the
+            dp gradients once per step, after the schedule).
+        blocks: Qualified name of the container of repeated blocks (checkpointing and FSDP
+            units); ``None`` = found by :func:`~.blocks.find_blocks`.
+        device: The mesh's device (default: the first parameter's).
 
     Returns:
-        The module to call for forward: a DDP wrapper for stages 0-1 (the optimizer must still be
-        built over ``model``'s parameters), ``model`` itself for stages 2-3.
+        The module to call for forward: a DDP wrapper for plain data parallelism at stages 0-1
+        with dp > 1 (build the optimizer over ``model``'s parameters), else ``model``.
 
     Raises:
-        ValueError: ZeRO stage >= 1 without a process group of >= 2 ranks, or no block list.
+        ValueError: tp > 1 without a plan, ep > 1, checkpointing without blocks, a bad plan.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    check_world(config, world)
-    blocks = getattr(model, blocks_attr, None)
-    if config.checkpoint_every or config.wrap == "block":
-        if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(f"model.{blocks_attr} must be an nn.ModuleList of blocks")
-        block_types = block_types or tuple({type(b) for b in blocks})
+    device = device or next(model.parameters()).device
+    model_parallel = dims.tp > 1 or pipeline_stage
+    # 1. tensor / sequence parallelism
+    if tp_plan is not None:
+        apply_tp_plan(model, dims.mesh["tp"], tp_plan, strict=strict_plan)
+    elif dims.tp > 1:
+        raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan (tp_plan=TPPlan(...))")
+    # 2. expert parallelism: the MoE layers' slot
+    if dims.ep > 1:
+        raise ValueError(f"ep={dims.ep}: expert parallelism is not built yet; use ep=1")
+    # 3. activation checkpointing
     if config.checkpoint_every:
-        apply_ac(blocks, every=config.checkpoint_every)  # type: ignore[arg-type]
-    if config.zero_stage <= 1:
-        if config.param_dtype != "fp32":  # DDP has no public mixed precision: autocast
-            apply_autocast(model, dtype=config.param_dtype, device_type=device.type)
-        return apply_ddp(model)
-    return apply_fsdp(
-        model,
-        dp_mesh(device),
-        stage=config.zero_stage,
-        units=_units(model, config, block_types),
-        param_dtype=config.param_dtype,
-        reduce_dtype=config.reduce_dtype,
-        offload=config.offload,
-    )
+        _, container = find_blocks(model, blocks)
+        apply_ac(container, every=config.checkpoint_every)
+    # 4. compile each block (after checkpointing: the recomputation is compiled too)
+    if config.compile:
+        _, container = find_blocks(model, blocks)
+        for _, block in block_entries(container):
+            block.compile()
+    # 5. data parallelism
+    if config.zero_stage >= 2:
+        return apply_fsdp(
+            model,
+            dims.mesh["dp"],
+            stage=config.zero_stage,
+            units=_fsdp_units(model, config, blocks),
+            param_dtype=config.param_dtype,
+            reduce_dtype=config.reduce_dtype,
+            offload=config.offload,
+        )
+    if config.param_dtype != "fp32":  # DDP has no public mixed precision: autocast
+        apply_autocast(model, dtype=config.param_dtype, device_type=device.type)
+    if model_parallel or dims.dp == 1:
+        return model
+    group = None if dims.dp == dims.world_size else dims.group("dp")
+    return apply_ddp(model, process_group=group, options=ddp_options(config))
 
 
-def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialize_first(config: ParallelConfig, *, model_parallel: bool) -> bool:
+    """Whether a meta-device model must be materialised before :func:`parallelize` (DDP wraps
+    real tensors) rather than after (FSDP2 and TP shard meta tensors, then only local shards
+    are allocated)."""
+    return config.zero_stage <= 1 and not model_parallel
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
+    """Allocate a meta-device (possibly sharded) model on ``device`` and initialise it.
+
+    Runs ``model.reset_parameters()`` if the root defines it (the model's own initialisation),
+    else every submodule's own ``reset_parameters`` (torch's layers define one), under ``seed``.
+
+    Raises:
+        ValueError: some parameter would stay uninitialised (no ``reset_parameters`` covers it).
+    """
     model.to_empty(device=device)
     torch.manual_seed(seed)
     init = getattr(model, "reset_parameters", None)
-    if init is None:
-        raise ValueError("meta_init needs a model with reset_parameters()")
-    init()
-
-
-def build_parallel_model(
-    factory: Callable[[], nn.Module],
-    config: ParallelConfig,
-    *,
-    device: torch.device,
-    seed: int,
-    blocks_attr: str = "blocks",
-) -> tuple[nn.Module, nn.Module]:
-    """Build ``factory()`` and parallelize it; returns ``(model, forward_module)``.
-
-    Without ``config.meta_init`` the model is built on ``device`` under the caller's RNG state
-    (identical on every rank) — the same values as an unsharded run. With it, the model is built
-    on ``meta``, sharded, and only local shards are allocated, then ``reset_parameters()`` runs
-    under ``seed`` (for FSDP2 on the sharded DTensors).
-    """
-    if not config.meta_init:
-        model = factory().to(device)
-        return model, parallelize(model, config, device=device, blocks_attr=blocks_attr)
-    with torch.device("meta"):
-        model = factory()
-    if config.zero_stage <= 1:
-        _materialise(model, device, seed)
-        return model, parallelize(model, config, device=device, blocks_attr=blocks_attr)
-    forward = parallelize(model, config, device=device, blocks_attr=blocks_attr)
-    _materialise(model, device, seed)
-    return model, forward
+    if callable(init):
+        init()
+        return
+    covered: set[int] = set()
+    for module in model.modules():
+        own = type(module).__dict__.get("reset_parameters")
+        if own is None:
+            continue
+        module.reset_parameters()
+        covered.update(id(p) for p in module.parameters())
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ValueError(
+            f"meta_init: no reset_parameters() initialises {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; give {type(model).__name__} a "
+            "reset_parameters() method"
+        )

@@ -29,6 +29,7 @@ needs no scaling.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -79,32 +80,101 @@ class LossScaler:
 
     Call, per step: :meth:`backward` instead of ``loss.backward()``, :meth:`unscale` before
     gradient clipping (so the clip threshold applies to true gradients), and :meth:`step`
-    instead of ``optimizer.step()``. Disabled (no fp16), each is the plain operation.
+    instead of ``optimizer.step()``. Disabled, each is the plain operation, so a loop can
+    construct one unconditionally with ``enabled=(dtype == "fp16")``::
+
+        scaler = LossScaler(enabled=True, device=device)
+        for x, y in batches:
+            optimizer.zero_grad()
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            scaler.backward(loss)
+            scaler.unscale(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)  # False when skipped: the same steps on every rank
+
+    With a process group initialised at construction, the inf/NaN flag is all-reduced over
+    ``process_group`` (torch's ``ShardedGradScaler``), so every rank skips the same steps, which
+    sharded gradients (FSDP2) need; without one it is torch's plain ``GradScaler``.
+
+    Args:
+        enabled: Scale at all. Only fp16 needs it (5 exponent bits); bf16 and fp32 have fp32's
+            range, and scaling them only costs a multiply and an inf check per step.
+        device: This rank's device; its type picks torch's CPU or CUDA kernels.
+        init_scale: Initial scale, a finite number > 0. Larger keeps more small gradients from
+            underflowing but overflows (skips) more first steps; the default ``2**15`` is the
+            largest power of two fp16 holds (torch's ``2**16`` is inf in fp16, so an fp16 loss,
+            as under FSDP2, would always skip the first step).
+        growth_interval: Double the scale after this many steps without overflow (>= 1).
+            Shorter recovers range sooner after a backoff but overflows, and skips, more often.
+        process_group: Ranks that must agree on skipping; ``None`` = the world (every rank
+            that steps an optimizer must be in it). Unused without a process group.
+
+    Raises:
+        ValueError: ``init_scale`` not a finite number > 0, or ``growth_interval`` < 1.
     """
 
-    def __init__(self, config: ParallelConfig, *, device: torch.device) -> None:
-        """Build the scaler for ``config`` on ``device`` (its type picks torch's CPU/CUDA kernels).
-
-        Args:
-            config: The ``parallel`` section (dtypes, ``loss_scale_init``,
-                ``loss_scale_growth_interval``).
-            device: This rank's device.
-        """
-        self.enabled = needs_grad_scaling(config)
-        # without a process group there is nobody to agree with: torch's plain GradScaler
-        scaler_cls = ShardedGradScaler if dist.is_initialized() else torch.amp.GradScaler
-        self._scaler = scaler_cls(
-            device.type,
-            init_scale=config.loss_scale_init,
-            growth_interval=config.loss_scale_growth_interval,
-            enabled=self.enabled,
-        )
-        self._config = config
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        device: torch.device | str,
+        init_scale: float = 2.0**15,
+        growth_interval: int = 2000,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not (init_scale > 0 and math.isfinite(init_scale)):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        device = torch.device(device)
+        self.enabled = bool(enabled)
+        if dist.is_initialized():
+            self._scaler: torch.amp.GradScaler = ShardedGradScaler(
+                device.type,
+                init_scale=init_scale,
+                growth_interval=growth_interval,
+                enabled=self.enabled,
+                process_group=process_group,
+            )
+        else:  # without a process group there is nobody to agree with: torch's plain GradScaler
+            self._scaler = torch.amp.GradScaler(
+                device.type,
+                init_scale=init_scale,
+                growth_interval=growth_interval,
+                enabled=self.enabled,
+            )
+        self._precision: dict[str, Any] = {}
         self.skipped_steps = 0
         """Optimizer steps skipped because a gradient overflowed (the same on every rank)."""
         self.skipped_at: list[int] = []
         """1-based numbers, counted from this run's first step, of the skipped steps (first 100)."""
         self._steps = 0
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig, *, device: torch.device | str) -> LossScaler:
+        """The scaler the engine uses for a ``parallel`` section: enabled whenever fp16 is used
+        (:func:`needs_grad_scaling`), with ``loss_scale_init`` and ``loss_scale_growth_interval``;
+        its :meth:`summary` then also describes the section's dtypes.
+
+        Args:
+            config: The ``parallel`` section (already validated by its constructor).
+            device: This rank's device.
+        """
+        scaler = cls(
+            enabled=needs_grad_scaling(config),
+            device=device,
+            init_scale=config.loss_scale_init,
+            growth_interval=config.loss_scale_growth_interval,
+        )
+        if (config.param_dtype, config.reduce_dtype) != ("fp32", "fp32"):
+            compute = "autocast" if config.zero_stage <= 1 else "fsdp2"
+            scaler._precision = {
+                "param_dtype": config.param_dtype,
+                "reduce_dtype": config.reduce_dtype,
+                "compute": compute if config.param_dtype != "fp32" else "fp32",
+            }
+        return scaler
 
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss * scale).backward()``; plain ``loss.backward()`` when disabled."""
@@ -158,17 +228,15 @@ class LossScaler:
         self._scaler.load_state_dict(state)
 
     def summary(self) -> dict[str, Any]:
-        """The ``precision`` block of the run summary; ``{}`` for an all-fp32 run."""
-        cfg = self._config
-        if (cfg.param_dtype, cfg.reduce_dtype) == ("fp32", "fp32"):
+        """The ``precision`` block of a run summary.
+
+        ``{}`` for a disabled scaler built directly, or by :meth:`from_config` for an all-fp32
+        run; otherwise ``loss_scaling`` and, when enabled, ``loss_scale``, ``skipped_steps`` and
+        ``skipped_at``, preceded by the section's dtypes when built by :meth:`from_config`.
+        """
+        if not self.enabled and not self._precision:
             return {}
-        compute = "autocast" if cfg.zero_stage <= 1 else "fsdp2"
-        out: dict[str, Any] = {
-            "param_dtype": cfg.param_dtype,
-            "reduce_dtype": cfg.reduce_dtype,
-            "compute": compute if cfg.param_dtype != "fp32" else "fp32",
-            "loss_scaling": self.enabled,
-        }
+        out: dict[str, Any] = {**self._precision, "loss_scaling": self.enabled}
         if self.enabled:
             out["loss_scale"] = self.scale
             out["skipped_steps"] = self.skipped_steps

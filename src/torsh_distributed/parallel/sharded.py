@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -38,18 +38,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["apply_fsdp", "shard_optimizer", "select_units", "dp_mesh", "DTYPES"]
+__all__ = ["apply_fsdp", "shard_optimizer", "select_units", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def dp_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D mesh named ``dp`` over the default group (the world)."""
-    if not dist.is_initialized():
-        raise ValueError(
-            "sharding needs an initialised process group (call torsh_distributed.init)"
-        )
-    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
 def select_units(

@@ -1,5 +1,6 @@
-"""The built-in trainer: a small GPT on Python's own source, data parallel across ranks."""
+"""The built-in trainer: a small GPT on Python's own source, one user of the engine."""
 
+from torsh_distributed.engine.result import TrainResult
 from torsh_distributed.train.config import (
     PRESETS,
     DataConfig,
@@ -8,7 +9,7 @@ from torsh_distributed.train.config import (
     TrainConfig,
     preset,
 )
-from torsh_distributed.train.loop import TrainResult, train
+from torsh_distributed.train.trainer import gpt_engine, train
 
 __all__ = [
     "PRESETS",
@@ -17,6 +18,7 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "TrainResult",
+    "gpt_engine",
     "preset",
     "train",
 ]

@@ -9,7 +9,6 @@ from torsh_distributed.comm.algorithms.ring import (
     ring_reduce_scatter_,
 )
 from torsh_distributed.comm.algorithms.tree import tree_all_reduce, tree_broadcast, tree_reduce
-
 from torsh_distributed.comm.config import ALGORITHM_NAMES as ALGORITHMS
 
 # ALGORITHMS: names accepted by ``algorithm=``; ``torch`` is the backend's own implementation.

@@ -1,4 +1,4 @@
-"""The trainer's ``comm`` section: gradient all-reduce through the facade, traces, debug mode.
+"""The engine's ``comm`` section: gradient all-reduce through the facade, traces, debug mode.
 
 ``--comm.algorithm ring|tree|hierarchical|auto|torch`` registers a DDP communication hook that
 all-reduces every gradient bucket with :func:`~torsh_distributed.comm.collectives.all_reduce`
@@ -9,7 +9,7 @@ records every collective of the facade and rank 0 writes one merged Chrome trace
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,10 +18,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torsh_distributed.comm import collectives as C
 from torsh_distributed.comm import debug, profiler
-from torsh_distributed.comm.algorithms import ALGORITHMS
+from torsh_distributed.comm.config import CommConfig
+from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.comm.reduce_op import ReduceOp
 
-__all__ = ["CommConfig", "TrainerComm", "facade_hook"]
+__all__ = ["CommSetup", "facade_hook", "node_assignment", "world_or_group"]
+
+
+def node_assignment(config: CommConfig) -> list[int] | None:
+    """``comm.node_assignment`` as a list (``None`` = discover nodes from host names)."""
+    return [int(x) for x in config.node_assignment.split(",")] if config.node_assignment else None
 
 
 def world_or_group(group: Any) -> Any:
@@ -52,27 +58,29 @@ facade_hook.__annotations__["bucket"] = dist.GradBucket
 facade_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-class TrainerComm:
-    """Applies a :class:`CommConfig` to a trainer's model; :meth:`finish` writes the trace."""
+class CommSetup:
+    """Applies a :class:`CommConfig` to the engine's model; :meth:`finish` writes the trace."""
 
     def __init__(
-        self, config: CommConfig, model: torch.nn.Module, *, compressed: bool = False
+        self,
+        config: CommConfig,
+        model: torch.nn.Module,
+        *,
+        dims: ParallelDims,
+        compressed: bool = False,
+        wrapped: bool = True,
     ) -> None:
-        """``compressed``: a compression hook is installed and routes its sums through
-        ``config.algorithm`` itself, so no facade hook is registered (DDP takes one hook)."""
+        """Args:
+        dims: The run's built dims (their node groups serve ``hierarchical``/``auto``).
+        compressed: A compression hook is installed and routes its sums through
+            ``config.algorithm`` itself, so no facade hook is registered (DDP takes one hook).
+        wrapped: The gradients go through a DDP wrapper; without one (tensor parallelism,
+            pipeline stages) ``comm.algorithm`` is ignored with a warning.
+        """
         self.config = config
         distributed = dist.is_initialized() and dist.get_world_size() > 1
-        if config.algorithm in ("hierarchical", "auto") and distributed:
-            from torsh_distributed.comm.dims import ParallelDims
-
-            nodes = (
-                [int(x) for x in config.node_assignment.split(",")]
-                if config.node_assignment
-                else None
-            )
-            dims = ParallelDims(dp=-1, node_assignment=nodes).build()
-            if config.algorithm == "auto":
-                dims.probe()
+        if config.algorithm == "auto" and distributed:
+            dims.probe()
         if config.algorithm and not compressed:
             if isinstance(model, DistributedDataParallel):
                 group = world_or_group(getattr(model, "process_group", None))
@@ -84,9 +92,10 @@ class TrainerComm:
                         "one is installed (gradient compression?); use one of the two"
                     ) from exc
             else:
+                why = "single rank, or a sharded strategy" if wrapped else "tp/pp > 1"
                 warnings.warn(
-                    f"comm.algorithm={config.algorithm!r} is ignored: the model is not wrapped in DDP "
-                    "(single rank, or a sharded strategy)",
+                    f"comm.algorithm={config.algorithm!r} is ignored: the model is not wrapped in "
+                    f"DDP ({why})",
                     stacklevel=2,
                 )
         if config.debug and distributed:

@@ -1,6 +1,6 @@
-"""Checkpointing of the built-in trainer: the three calls the training loop makes.
+"""The engine's checkpointing: the three calls the training loop makes.
 
-``TrainerCheckpoint(config, ...)`` before the loop, ``resume()`` for the step to start at,
+``RunCheckpoint(section, ...)`` before the loop, ``resume()`` for the step to start at,
 ``step_end(step, losses)`` after every step, ``finish(step, losses)`` after the loop. What a
 checkpoint holds besides model and optimizer: the data position (the step; see
 :mod:`~torsh_distributed.checkpoint.resume`), the loss history (so a resumed run reports every
@@ -15,40 +15,49 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from torsh_distributed.checkpoint import faults
+from torsh_distributed.checkpoint.config import CheckpointConfig
 from torsh_distributed.checkpoint.manager import CheckpointManager
 from torsh_distributed.checkpoint.resume import check_data_position, data_position
 from torsh_distributed.runtime import world
 
-if TYPE_CHECKING:
-    from torsh_distributed.train.config import TrainConfig
+__all__ = ["RunCheckpoint", "settings_hash", "computation_settings"]
 
-__all__ = ["TrainerCheckpoint", "config_hash"]
-
-# Settings that change what is computed; the rest (progress, logging, backend, ...) do not.
-_HASHED = ("model", "data", "optim", "max_steps", "batch_size", "seed")
+# The engine settings that change what is computed; the rest (progress, logging, backend, ...) do not.
+_HASHED = ("optim", "max_steps", "batch_size", "seed")
 
 
-def config_hash(config: TrainConfig) -> str:
-    """Short SHA-256 of the settings that determine the computation."""
+def computation_settings(config: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The settings of an ``EngineConfig`` that determine the computation, plus ``extra`` (the
+    model's shape, the data: whatever the caller knows changes the result)."""
     data = config.to_dict()
-    blob = json.dumps({k: data[k] for k in _HASHED if k in data}, sort_keys=True)
+    return {**{k: data[k] for k in _HASHED}, **dict(extra or {})}
+
+
+def settings_hash(settings: Mapping[str, Any]) -> str:
+    """Short SHA-256 of the settings that determine the computation (JSON-serialisable)."""
+    blob = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-class TrainerCheckpoint:
-    """Resume, periodic saves and the final save of :func:`torsh_distributed.train.train`.
+class RunCheckpoint:
+    """Resume, periodic saves and the final save of the engine's loop.
 
     Args:
-        config: The run's configuration (``config.checkpoint`` drives everything here).
+        section: The ``checkpoint`` section (drives everything here).
+        seed: The run's seed (part of the data position).
+        batch_size: The global batch (part of the data position).
+        max_steps: The run's last step (no periodic save there: the final save covers it).
+        settings: The settings that change the computation; a checkpoint written under other
+            settings is refused on resume (their hash is stored).
         model: The wrapped model the loop trains (DDP or sharded).
         optimizer: Its optimizer.
-        num_train_tokens: Size of the training split (for the nominal epoch).
+        num_samples: Size of the training set (for the nominal epoch).
         write: Prints a line on the main rank (the progress bar's ``write``).
         json_state: Further ``Stateful`` objects whose state is small, JSON-serialisable and the
             same on every rank (the fp16 loss scaler); stored in the checkpoint's metadata.
@@ -61,22 +70,26 @@ class TrainerCheckpoint:
 
     def __init__(
         self,
-        config: TrainConfig,
+        section: CheckpointConfig,
         *,
+        seed: int,
+        batch_size: int,
+        max_steps: int,
+        settings: Mapping[str, Any],
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        num_train_tokens: int,
+        num_samples: int,
         write: Callable[[str], None] | None = None,
         json_state: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
         layout: Mapping[str, Any] | None = None,
     ) -> None:
-        self.config = config
+        self.seed, self.batch_size, self.max_steps = seed, batch_size, max_steps
         self.json_state = dict(json_state or {})
         self.rank_state = {k: v for k, v in (rank_state or {}).items() if v is not None}
-        self.section = config.checkpoint
+        self.section = section
         self.model, self.optimizer = model, optimizer
-        self.num_train_tokens = num_train_tokens
+        self.num_samples = num_samples
         self.write = write or (lambda text: print(text, flush=True))
         self.rank = world.rank()
         self.is_main = self.rank == 0
@@ -97,7 +110,7 @@ class TrainerCheckpoint:
                 every_steps=self.section.every,
                 every_s=self.section.every_s,
                 async_save=self.section.async_save,
-                config_hash=config_hash(config),
+                config_hash=settings_hash(settings),
                 layout=layout,
             )
         self.saving = bool(self.section.dir)
@@ -112,7 +125,7 @@ class TrainerCheckpoint:
             return 0, []
         extra: dict[str, Any] = loaded.meta.get("extra", {})
         step = check_data_position(
-            extra.get("data", {}), seed=self.config.seed, batch_size=self.config.batch_size
+            extra.get("data", {}), seed=self.seed, batch_size=self.batch_size
         )
         losses = [float(x) for x in extra.get("losses", [])][:step]
         for name, obj in self.json_state.items():
@@ -165,9 +178,9 @@ class TrainerCheckpoint:
             extra={
                 "data": data_position(
                     step=step,
-                    seed=self.config.seed,
-                    batch_size=self.config.batch_size,
-                    num_train_tokens=self.num_train_tokens,
+                    seed=self.seed,
+                    batch_size=self.batch_size,
+                    num_train_tokens=self.num_samples,
                 ),
                 "losses": losses,
                 "state": {name: obj.state_dict() for name, obj in self.json_state.items()},
@@ -184,7 +197,7 @@ class TrainerCheckpoint:
         if self.resumed_step is not None and not self._first_step_logged and self.is_main:
             faults.log_event("first_step", rank=self.rank, step=step)
         self._first_step_logged = True
-        if self.saving and self.manager is not None and step < self.config.max_steps:
+        if self.saving and self.manager is not None and step < self.max_steps:
             if self.manager.due(step):
                 self._save(step, losses)
         if self.faults:

@@ -1,18 +1,23 @@
-"""The trainer's memory accounting: predicted (planner) vs measured, per rank.
+"""The engine's memory accounting: predicted (planner) vs measured, per rank.
 
 Kept out of the loop so the loop only calls three methods: construct before the model is built
 (the resident memory at that point is the process baseline: Python, torch, the process group,
-the corpus), :meth:`after_step` once (prints predicted vs measured on rank 0) and
-:meth:`summary` at the end (the ``memory`` block of the summary).
+the data), :meth:`after_step` once (prints predicted vs measured on rank 0) and :meth:`summary`
+at the end (the ``memory`` block of the summary). Model states are predicted by the ZeRO
+formulas for any model; activations only when the caller supplies an estimate (the built-in
+GPT's formula), otherwise the peak prediction leaves them out and says so. With tensor or
+pipeline parallelism only the measurement is reported (the planner models dp sharding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from torsh_distributed.parallel.blocks import block_entries, find_blocks
 from torsh_distributed.parallel.memory import (
     ModelStateMeasurement,
     cuda_peak_bytes,
@@ -22,13 +27,12 @@ from torsh_distributed.parallel.memory import (
     reset_peak_rss,
 )
 from torsh_distributed.plan.memory import (
-    activation_bytes,
     format_bytes,
     model_state_bytes,
     transient_bytes,
 )
 
-__all__ = ["TrainerMemory", "predict_peak_rss", "for_table", "planner_optimizer"]
+__all__ = ["MemoryReport", "predict_peak_rss", "for_table", "planner_optimizer"]
 
 
 def predict_peak_rss(
@@ -88,9 +92,10 @@ def for_table(summary: dict[str, Any]) -> dict[str, Any]:
     memory = summary.get("memory") or {}
     measured = memory.get("model_state_bytes_per_rank")
     if measured:
-        predicted = memory["predicted_model_state_bytes_per_rank"]["total"]
         out["model states/rank (measured)"] = format_bytes(measured["total"])
-        out["model states/rank (predicted)"] = format_bytes(predicted)
+        if "predicted_model_state_bytes_per_rank" in memory:
+            predicted = memory["predicted_model_state_bytes_per_rank"]["total"]
+            out["model states/rank (predicted)"] = format_bytes(predicted)
         out["shard padding/rank (B)"] = sum(measured["padding"].values())
     if "peak_rss_bytes" in memory:
         out["peak RSS/rank"] = format_bytes(memory["peak_rss_bytes"])
@@ -99,12 +104,37 @@ def for_table(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class TrainerMemory:
-    """Predicted vs measured memory of a training run (see module docstring)."""
+class MemoryReport:
+    """Predicted vs measured memory of a training run (see module docstring).
 
-    def __init__(self, config: Any, *, world_size: int) -> None:
-        self._config = config
-        self._dp = world_size
+    Args:
+        zero_stage: ZeRO stage of the run.
+        dp: Data-parallel degree.
+        optimizer: The planner's optimizer name (``adam``, ``sgd``, ``sgd-plain``; see
+            :func:`planner_optimizer`), or ``""`` when unknown (a user's optimizer): then only
+            the measurement is reported.
+        weight_decay: Whether the optimizer decays (SGD's step then allocates a gradient copy).
+        param_dtype: Compute dtype (``fp32``/``bf16``/``fp16``) of the transient gathers.
+        activations: Bytes of activations saved for backward per rank, or ``None`` (unknown).
+        predict: ``False`` with tensor or pipeline parallelism (measured only).
+    """
+
+    def __init__(
+        self,
+        *,
+        zero_stage: int,
+        dp: int,
+        optimizer: str = "adam",
+        weight_decay: bool = True,
+        param_dtype: str = "fp32",
+        activations: Callable[[], int] | None = None,
+        predict: bool = True,
+    ) -> None:
+        self._stage, self._dp = zero_stage, dp
+        self._optimizer, self._weight_decay = optimizer, weight_decay
+        self._param_dtype = param_dtype
+        self._activations = activations
+        self._predict = predict and bool(optimizer)
         reset_peak_rss()
         self._baseline = current_rss_bytes()
         self._measured: ModelStateMeasurement | None = None
@@ -117,29 +147,30 @@ class TrainerMemory:
         """Measure once (the first call) and, on the main rank, ``write`` predicted vs measured."""
         if self._measured is not None:
             return
-        cfg = self._config
-        stage = cfg.parallel.zero_stage
-        num_params = sum(p.numel() for p in model.parameters())
-        blocks = getattr(model, "blocks", [])
-        block_params = sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0
         self._measured = measure_model_state(model, optimizer)
-        optimizer_kind = planner_optimizer(cfg.optim)
+        if not self._predict:
+            if main:
+                m = self._measured
+                write(
+                    f"memory per rank after step 1: model states measured {format_bytes(m.total)} "
+                    f"(params {format_bytes(m.params.held)}, grads {format_bytes(m.grads.held)}, "
+                    f"optimizer {format_bytes(m.optimizer.held)}); peak RSS so far "
+                    f"{format_bytes(peak_rss_bytes())}"
+                )
+            return
+        stage = self._stage
+        num_params = sum(p.numel() for p in model.parameters())
+        try:
+            _, container = find_blocks(model)
+            blocks = [m for _, m in block_entries(container)]
+        except ValueError:
+            blocks = []
+        block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
         predicted = model_state_bytes(
-            num_params, self._dp, stage, dtype="fp32", optimizer=optimizer_kind, layout="fsdp2"
+            num_params, self._dp, stage, dtype="fp32", optimizer=self._optimizer, layout="fsdp2"
         )
         self._predicted = predicted.to_dict()
-        every = cfg.parallel.checkpoint_every
-        checkpointed = len(range(0, cfg.model.n_layer, every)) if every else 0
-        acts = activation_bytes(
-            n_layer=cfg.model.n_layer,
-            d_model=cfg.model.d_model,
-            n_head=cfg.model.n_head,
-            seq_len=cfg.model.block_size,
-            batch=cfg.batch_size // self._dp,
-            vocab_size=cfg.model.vocab_size,
-            checkpointed_layers=checkpointed,
-            dtype_bytes=4 if cfg.parallel.param_dtype == "fp32" else 2,
-        )
+        acts = self._activations() if self._activations is not None else 0
         self._peak_terms = predict_peak_rss(
             baseline=self._baseline,
             num_params=num_params,
@@ -147,11 +178,13 @@ class TrainerMemory:
             n_layer=len(blocks),
             dp=self._dp,
             stage=stage,
-            param_dtype=cfg.parallel.param_dtype,
+            param_dtype=self._param_dtype,
             activations=acts,
-            optimizer=optimizer_kind,
-            weight_decay=cfg.optim.weight_decay > 0,
+            optimizer=self._optimizer,
+            weight_decay=self._weight_decay,
         )
+        if self._activations is None:
+            self._peak_terms["activations_unknown"] = 1
         if main:
             m = self._measured
             # ZeRO-1 partitions whole parameters: the per-rank optimizer state is uneven
@@ -164,14 +197,16 @@ class TrainerMemory:
                 f"optimizer {format_bytes(m.optimizer.held)}; shard padding {m.padding} B{extra}); "
                 f"peak RSS so far {format_bytes(peak_rss_bytes())}, predicted peak "
                 f"{format_bytes(self._peak_terms['total'])} (one-off runtime allocations of the "
-                f"first step not modelled: see docs/sharding.md)"
+                f"first step{'' if self._activations else ' and activations'} not modelled: "
+                f"see docs/sharding.md)"
             )
 
     def summary(self) -> dict[str, Any]:
         """The ``memory`` block of the run summary (this rank's figures)."""
-        out: dict[str, Any] = {"zero_stage": self._config.parallel.zero_stage}
+        out: dict[str, Any] = {"zero_stage": self._stage}
         if self._measured is not None:
             out["model_state_bytes_per_rank"] = self._measured.to_dict()
+        if self._predicted:
             out["predicted_model_state_bytes_per_rank"] = self._predicted
             out["predicted_peak_rss_bytes"] = self._peak_terms.get("total", 0)
         out["baseline_rss_bytes"] = self._baseline

@@ -1,19 +1,17 @@
-"""Compression in the built-in trainer: two calls around the model's wrapping, one for the summary.
+"""The engine's gradient compression: attach to the model, exchange, summarise.
 
-``TrainerCompression(config)`` validates the combination (DDP only) and makes the
-DDP options of the ``compression`` section the defaults of :func:`apply_ddp` until
-``attach(model, base)``, which registers the compression hook on the DDP model and makes DDP
-re-bucket before the first step (:func:`prime_buckets`: one tiny forward/backward, so compressor
-state never meets a second bucket layout, in a run or after a resume). ``summary()``
-is the ``"compression"`` entry of the run summary; ``stateful`` is the object whose
-``state_dict()`` a checkpoint must save (residuals, PowerSGD factors, auto's decisions).
-With ``--comm.algorithm`` the compression hook (DDP takes one) sums its summable payloads through
-the facade with that algorithm, and :class:`~torsh_distributed.comm.trainer.TrainerComm`
-registers no hook of its own.
-
-The model-parallel loop has no DDP: ``attach_flat(group)`` builds the same hook state for its one
-flat data-parallel exchange of the local gradient shards, which ``reduce_flat`` runs (accounting,
-warm-up, error state, checkpoints and the summary as with DDP); ``observe_loss`` feeds ``auto``.
+``GradCompression(section, zero_stage=..., algorithm=..., seed=...)`` validates the combination
+(data-parallel exchange at ZeRO stage 0 only). ``attach(model, base, prime=...)`` registers the
+compression hook on a DDP model and makes DDP re-bucket before the first step
+(:func:`prime_buckets`: one forward/backward on a sample, so compressor state never meets a
+second bucket layout, in a run or after a resume). Without DDP (tensor parallelism, pipeline
+stages) ``attach_flat(group)`` builds the same hook state for the engine's one flat
+data-parallel exchange of the local gradient shards, which ``reduce_flat`` runs (accounting,
+warm-up, error state, checkpoints and the summary as with DDP). ``observe_loss`` feeds ``auto``
+the training loss once per step. ``summary()`` is the ``"compression"`` entry of the run summary;
+``stateful`` is the object whose ``state_dict()`` a checkpoint must save (residuals, PowerSGD
+factors, auto's decisions). With ``comm.algorithm`` the compression hook (DDP takes one) sums its
+summable payloads through the facade with that algorithm.
 """
 
 from __future__ import annotations
@@ -21,35 +19,32 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from contextvars import Token
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torsh_distributed.compression.base import Compressor
+from torsh_distributed.compression.build import build_compressor
+from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
-from torsh_distributed.compression.spec import build_compressor, parse_spec
-from torsh_distributed.parallel import data as ddp
+from torsh_distributed.compression.spec import parse_spec
+from torsh_distributed.engine._comm import world_or_group
 
-if TYPE_CHECKING:
-    from torsh_distributed.train.config import TrainConfig
-
-__all__ = ["TrainerCompression", "check_compatible"]
+__all__ = ["GradCompression", "check_compression"]
 
 
-def check_compatible(config: TrainConfig) -> None:
+def check_compression(section: CompressionConfig, *, zero_stage: int) -> None:
     """Reject combinations compression cannot honour.
 
     Raises:
         ValueError: compression with a ZeRO stage other than 0 (FSDP/ZeRO reduce-scatter
             gradients; compression hooks DDP's all-reduce).
     """
-    section = config.compression
     if not section.enabled:
         return
-    stage = getattr(getattr(config, "parallel", None), "zero_stage", 0)
+    stage = zero_stage
     if stage != 0:
         raise ValueError(
             f"--compression {section.method} applies to DDP (parallel.zero_stage 0) only; "
@@ -57,42 +52,35 @@ def check_compatible(config: TrainConfig) -> None:
         )
 
 
-class TrainerCompression:
+class GradCompression:
     """See the module docstring.
 
     Args:
-        config: The run's configuration (``config.compression`` drives everything here).
+        section: The ``compression`` section.
+        zero_stage: ZeRO stage of the run (compression needs 0).
+        algorithm: ``comm.algorithm`` (the facade algorithm compressed sums go through; ``""``).
+        seed: Seed of the randomised methods (randomk, stochastic rounding).
     """
 
-    def __init__(self, config: TrainConfig) -> None:
-        check_compatible(config)
-        self.config = config
-        self.section = config.compression
+    def __init__(
+        self, section: CompressionConfig, *, zero_stage: int, algorithm: str = "", seed: int = 0
+    ) -> None:
+        check_compression(section, zero_stage=zero_stage)
+        self.section = section
+        self.algorithm = algorithm
+        self.seed = seed
         self.hook: CompressionHook | None = None
         self._dense_bytes = 0
         self._dense_steps = 0
-        s = self.section
-        self._options = options = ddp.DDPOptions(
-            bucket_cap_mb=s.bucket_cap_mb,
-            first_bucket_mb=s.first_bucket_mb,
-            static_graph=s.static_graph,
-            gradient_as_bucket_view=s.gradient_as_bucket_view,
-            find_unused_parameters=s.find_unused_parameters,
-            init_sync=s.init_sync,
-        )
-        if (
-            options != ddp.DDPOptions()
-            and getattr(getattr(config, "parallel", None), "zero_stage", 0) >= 2
-        ):
-            warnings.warn(
-                "compression.* DDP options are ignored with zero_stage >= 2 (FSDP has no DDP wrapper)",
-                stacklevel=2,
-            )
-        self._token: Token[ddp.DDPOptions] | None = ddp._OPTIONS.set(options)
 
-    def attach(self, model: nn.Module, base: nn.Module) -> None:
-        """Register the compression hook on ``model`` (the DDP wrapper of ``base``)."""
-        self._release_ddp_options()
+    def attach(
+        self, model: nn.Module, base: nn.Module, *, prime: Callable[[], torch.Tensor]
+    ) -> None:
+        """Register the compression hook on ``model`` (the DDP wrapper of ``base``).
+
+        Args:
+            prime: A forward returning a loss on a small sample, for :func:`prime_buckets`.
+        """
         if not self.section.enabled:
             if isinstance(model, nn.parallel.DistributedDataParallel):
                 self._count_dense_steps(model, base)
@@ -105,35 +93,18 @@ class TrainerCompression:
             )
             return
         compressor = self._compressor()
-        self.hook = hook = register_compression(
+        self.hook = register_compression(
             model,
             compressor,
             warmup_steps=self.section.warmup_steps,
-            allreduce_fn=_facade_sum(
-                getattr(getattr(self.config, "comm", None), "algorithm", ""), model.process_group
-            ),
+            allreduce_fn=_facade_sum(self.algorithm, model.process_group),
         )
-        observe = getattr(compressor, "observe_loss", None)
-        if observe is not None:
-
-            def _loss_observer(module: nn.Module, args: Any, output: Any) -> None:
-                if (
-                    module.training
-                    and not hook.passthrough
-                    and isinstance(output, tuple)
-                    and isinstance(output[-1], torch.Tensor)
-                ):
-                    observe(float(output[-1].detach()))
-
-            base.register_forward_hook(_loss_observer)
-        device = next(base.parameters()).device
-        tokens = torch.zeros((1, 2), dtype=torch.long, device=device)  # 2 tokens reach every weight
-        prime_buckets(model, lambda: model(tokens, tokens)[1])
+        prime_buckets(model, prime)
 
     def attach_flat(
         self, group: dist.ProcessGroup | None, *, positions: dict[int, int] | None = None
     ) -> None:
-        """Model-parallel loop: compress its flat gradient exchange over the data-parallel
+        """Without DDP: compress the engine's flat gradient exchange over the data-parallel
         ``group`` (see :meth:`reduce_flat`). A no-op for ``none``; ``group=None`` (dp 1: no
         exchange) warns that compression is ignored.
 
@@ -142,15 +113,8 @@ class TrainerCompression:
                 records which parameters its state belongs to and resets state saved for others
                 (a resume with another pipeline split or schedule), as with DDP's buckets.
         """
-        self._release_ddp_options()
         if not self.section.enabled:
             return
-        if self._options != ddp.DDPOptions():
-            warnings.warn(
-                "compression.* DDP options (bucket sizes, static graph, unused parameters, ...) "
-                "are ignored by the model-parallel loop: it has no DDP wrapper",
-                stacklevel=2,
-            )
         if group is None:
             warnings.warn(
                 f"--compression {self.section.method} is ignored with dp 1: there is no "
@@ -182,13 +146,8 @@ class TrainerCompression:
             s.method,
             error_feedback=s.ef,
             stochastic_rounding=s.stochastic_rounding,
-            seed=self.config.seed,
+            seed=self.seed,
         )
-
-    def _release_ddp_options(self) -> None:
-        if self._token is not None:
-            ddp._OPTIONS.reset(self._token)
-            self._token = None
 
     def _count_dense_steps(self, model: nn.Module, base: nn.Module) -> None:
         """``none`` installs no hook (DDP's own all-reduce); count training forwards instead."""
@@ -263,7 +222,6 @@ def _facade_sum(algorithm: str, group: Any) -> Callable[[torch.Tensor, Any], Non
     if not algorithm:
         return None
     from torsh_distributed.comm import collectives as C
-    from torsh_distributed.comm.trainer import world_or_group
 
     target = world_or_group(group)  # the hook's group (DDP's), resolved once
 

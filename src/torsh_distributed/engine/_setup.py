@@ -1,0 +1,275 @@
+"""Building a run: validate every setting before any collective, then the model and its step.
+
+Everything here runs once per run. :func:`plan_run` is pure (no communication): every rank
+evaluates it on the same inputs, so an invalid set-up raises the same ``ValueError`` on every rank
+before any of them waits on another. :func:`build_model` then builds the model (or its pipeline
+stages) and applies :func:`~torsh_distributed.parallel.parallelize.parallelize`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from torsh_distributed.comm.dims import ParallelDims
+from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.parallel.parallelize import (
+    check_world,
+    materialize,
+    materialize_first,
+    parallelize,
+)
+from torsh_distributed.parallel.pipeline import (
+    PipelineRunner,
+    build_pipeline,
+    check_pipeline,
+    check_split_points,
+)
+from torsh_distributed.parallel.tp_plan import TPPlan, resolve_tp_plan
+
+__all__ = ["RunPlan", "BuiltModel", "plan_run", "build_model", "param_order"]
+
+ModelSource = nn.Module | Callable[[], nn.Module]
+PlanLike = TPPlan | Mapping[str, str | ParallelStyle]
+
+
+@dataclass(kw_only=True, slots=True)
+class RunPlan:
+    """The validated layout of a run (no process groups yet)."""
+
+    dims: ParallelDims
+    """Degrees (unbuilt until :func:`build_model`)."""
+    per_dp: int
+    """Samples per data-parallel rank per step."""
+    tp_plan: TPPlan | None
+    """The tensor-parallel plan, normalised (``None`` at tp 1)."""
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.dims.tp > 1 or self.dims.pp > 1
+
+
+def plan_run(
+    config: EngineConfig,
+    *,
+    world_size: int,
+    tp_plan: PlanLike | None,
+    device_type: str = "cpu",
+    nodes: list[int] | None = None,
+) -> RunPlan:
+    """Validate degrees, batch split, pipeline schedule and component combinations.
+
+    Raises:
+        ValueError: naming the setting and what it must be.
+    """
+    par = config.parallel
+    try:
+        dims = ParallelDims(
+            dp=par.dp,
+            tp=par.tp,
+            pp=par.pp,
+            world_size=world_size,
+            device_type=device_type,
+            node_assignment=nodes,
+        )
+    except ValueError as exc:
+        raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
+    per_dp = config.check_world(dims.dp)
+    check_world(par, dims.dp)
+    if (dims.tp > 1 or dims.pp > 1) and config.grad_accum > 1:
+        raise ValueError(
+            f"--grad-accum {config.grad_accum} applies to data parallelism; with --tp/--pp "
+            "use --microbatches (pipeline micro-batches) instead"
+        )
+    if dims.pp > 1:
+        check_pipeline(
+            pp=dims.pp,
+            schedule=par.pp_schedule,
+            microbatches=par.num_microbatches,
+            virtual_stages=par.virtual_stages,
+            batch_size=per_dp,
+        )
+    elif par.virtual_stages != 1:
+        raise ValueError(f"parallel.virtual_stages={par.virtual_stages} needs parallel.pp > 1")
+    plan: TPPlan | None = None
+    if dims.tp > 1:
+        if tp_plan is None:
+            raise ValueError(
+                f"parallel.tp={dims.tp} needs a tensor-parallel plan for this model "
+                "(Engine(tp_plan=...), or --tp-plan MODULE:FUNCTION)"
+            )
+        plan = tp_plan if isinstance(tp_plan, TPPlan) else TPPlan(rules=tp_plan)
+        if plan.loss_parallel and dims.pp > 1:
+            raise ValueError(
+                "a loss-parallel TP plan leaves the logits sharded; with pp > 1 the pipeline's "
+                "last stage needs whole logits: use a plan with loss_parallel=False"
+            )
+    return RunPlan(dims=dims, per_dp=per_dp, tp_plan=plan)
+
+
+def check_model(model: nn.Module, config: EngineConfig, run: RunPlan) -> None:
+    """Checks that need the (unparallelised) model; no collectives."""
+    dims = run.dims
+    if run.tp_plan is not None:
+        resolve_tp_plan(model, run.tp_plan, dims.tp)  # raises on a bad plan
+    if dims.pp > 1:
+        check_split_points(
+            model,
+            config.parallel.split_points,
+            num_stages=dims.pp * config.parallel.virtual_stages,
+        )
+
+
+def instantiate(source: ModelSource, *, seed: int, meta: bool) -> nn.Module:
+    """The model, built under ``seed`` (identical on every rank), on ``meta`` if asked."""
+    if isinstance(source, nn.Module):
+        if meta:
+            raise ValueError(
+                "parallel.meta_init needs a model factory (a function returning the model), "
+                "not a built module"
+            )
+        return source
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            model = source()
+    else:
+        model = source()
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"the model factory returned {type(model).__name__}, expected a torch.nn.Module"
+        )
+    return model
+
+
+def param_order(model: nn.Module) -> dict[str, int]:
+    """Index of each parameter name in the unsplit model (wrapper prefixes removed)."""
+    return {clean_name(n): i for i, (n, _) in enumerate(model.named_parameters())}
+
+
+def clean_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+@dataclass(kw_only=True, slots=True)
+class BuiltModel:
+    """The parallelised model of this rank."""
+
+    forward: nn.Module | None
+    """The module to call for forward (DDP wrapper, FSDP/TP model); ``None`` with a pipeline."""
+    holder: nn.Module
+    """The module(s) whose parameters this rank trains (the optimizer's)."""
+    state_module: nn.Module
+    """What checkpoints save, under the unsplit model's names."""
+    pipe: PipelineRunner | None
+    """The pipeline of this rank's stages, or ``None``."""
+    num_params: int
+    """Parameters of the whole model (before sharding)."""
+    order: dict[str, int]
+    """Unsplit parameter order (compression state keys)."""
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.pipe.parameters() if self.pipe is not None else list(self.holder.parameters())
+
+
+def build_model(
+    model: nn.Module,
+    config: EngineConfig,
+    run: RunPlan,
+    *,
+    device: torch.device,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    blocks: str | None,
+    meta: bool,
+) -> BuiltModel:
+    """Parallelise ``model`` (or build its pipeline stages); ``run.dims`` must be built."""
+    par, dims = config.parallel, run.dims
+    num_params = sum(p.numel() for p in model.parameters())
+    order = param_order(model)
+
+    def shard(module: nn.Module, *, stage: bool) -> nn.Module:
+        first = meta and materialize_first(par, model_parallel=run.model_parallel)
+        if first:
+            materialize(module, device, seed=config.seed)
+        out = parallelize(
+            module,
+            dims,
+            par,
+            tp_plan=run.tp_plan,
+            strict_plan=not stage,
+            pipeline_stage=stage,
+            blocks=blocks,
+            device=device,
+        )
+        if meta and not first:
+            materialize(module, device, seed=config.seed)
+        return out
+
+    if not meta:
+        model = model.to(device)
+    if dims.pp > 1:
+        pipe = build_pipeline(
+            model,
+            split_points=par.split_points,
+            pp_rank=dims.mesh["pp"].get_local_rank(),
+            pp=dims.pp,
+            group=dims.group("pp"),
+            device=device,
+            schedule=par.pp_schedule,
+            microbatches=par.num_microbatches,
+            virtual_stages=par.virtual_stages,
+            loss_fn=loss_fn,
+            transform=lambda stage: shard(stage, stage=True),
+        )
+        holder = nn.ModuleList(pipe.modules)
+        return BuiltModel(
+            forward=None,
+            holder=holder,
+            state_module=pipe.state_module(),
+            pipe=pipe,
+            num_params=num_params,
+            order=order,
+        )
+    forward = shard(model, stage=False)
+    return BuiltModel(
+        forward=forward,
+        holder=model,
+        state_module=forward,
+        pipe=None,
+        num_params=num_params,
+        order=order,
+    )
+
+
+def loss_context(run: RunPlan) -> contextlib.AbstractContextManager[Any]:
+    """``loss_parallel()`` when the TP plan keeps the logits sharded, else nothing."""
+    if run.tp_plan is None or not run.tp_plan.loss_parallel or run.dims.tp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def full(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``value`` (a DTensor's full value)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return copy.copy(batch)

@@ -1,0 +1,81 @@
+"""What a training run returns, and its summary (the table and the JSON file)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torsh_distributed.engine._memory import for_table
+from torsh_distributed.engine.progress import format_summary
+
+__all__ = ["TrainResult", "print_summary", "write_json_atomic"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainResult:
+    """What a run did; identical on every rank (losses are averaged across ranks)."""
+
+    steps: int
+    """Optimizer steps taken (including those before a resume)."""
+    losses: list[float] = field(repr=False)
+    """Training loss of every step (global batch mean)."""
+    initial_loss: float
+    """Loss of the first step."""
+    final_loss: float
+    """Mean loss of the last ``min(10, steps)`` steps (less noisy than the last step alone)."""
+    val_loss: float
+    """Validation loss at the end (NaN without a validation set)."""
+    samples_per_s: float
+    """Training samples per second, all ranks together, over the training loop's wall time."""
+    tokens_per_s: float
+    """``samples_per_s`` times the tokens per sample (0 when the caller did not say)."""
+    world_size: int
+    """Number of ranks."""
+    wall_time_s: float
+    """Seconds from start of setup to the end of the final evaluation."""
+    num_params: int
+    """Parameters of the model (global sizes: shards count once)."""
+    backend: str
+    """Process-group backend used."""
+    layout: dict = field(default_factory=dict)
+    """Parallel degrees: ``{"dp": .., "tp": .., "pp": ..}``."""
+    memory: dict = field(default_factory=dict)
+    """This rank's memory: measured and predicted model states, peak RSS."""
+    compression: dict = field(default_factory=dict)
+    """Rank 0's compression totals: method, bytes uncompressed/sent, ratio, seconds."""
+    monitor: dict = field(default_factory=dict)
+    """Bottleneck report of ``--monitor`` (slowest rank, step time, findings); {} when off."""
+    checkpoint: dict = field(default_factory=dict)
+    """Checkpoint saves, seconds the loop was blocked by them, step resumed from; {} when off."""
+    precision: dict = field(default_factory=dict)
+    """Mixed precision: dtypes, and with fp16 the final loss scale and the skipped steps."""
+
+    def summary(self) -> dict[str, Any]:
+        """The summary fields (everything except the per-step losses)."""
+        data = asdict(self)
+        data.pop("losses")
+        return data
+
+
+def write_json_atomic(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as JSON through a temporary file and a rename: never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def print_summary(result: TrainResult) -> None:
+    """The end-of-run table (the monitor's report and checkpoint lines were printed already;
+    compression ``none`` and zero throughput say nothing: the JSON summary keeps all of them)."""
+    hidden = {"monitor", "checkpoint", "layout"}
+    if result.compression.get("method", "none") == "none":
+        hidden.add("compression")
+    if not result.tokens_per_s:
+        hidden.add("tokens_per_s")
+    table = {k: v for k, v in result.summary().items() if k not in hidden}
+    print(format_summary(for_table(table)), flush=True)

@@ -1,0 +1,176 @@
+"""Training the user's own model from the command line: factories named ``MODULE:FUNCTION``.
+
+``torsh-dist train --model mypkg.nets:make_net --dataset mypkg.data:train_set`` names a function
+returning the ``nn.Module`` and one returning a map-style dataset of ``(input, target)`` pairs
+(``--loss`` a function ``(output, target) -> scalar``, cross-entropy by default; ``--tp-plan`` a
+function returning a :class:`~torsh_distributed.parallel.tp_plan.TPPlan` or a dict of module
+patterns to styles; ``--val-dataset`` a held-out set). ``MODULE`` is an importable module name
+(the current directory is on the path) or a ``.py`` file. :meth:`UserFactories.check` imports
+and calls them once in the launching process, on the ``meta`` device for the model, so a factory
+that cannot be imported, returns the wrong type, or a split point that names no module is
+reported before any rank starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.engine.engine import Engine
+from torsh_distributed.parallel.pipeline import check_split_points
+from torsh_distributed.parallel.tp_plan import TPPlan, resolve_tp_plan
+
+__all__ = ["UserFactories", "load_object"]
+
+
+def load_object(spec: str, *, what: str) -> Any:
+    """The object ``MODULE:NAME`` names; ``MODULE`` is a module name or a ``.py`` file.
+
+    Raises:
+        ValueError: a malformed spec, a module that cannot be imported, a missing name.
+    """
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--{what} must be MODULE:FUNCTION (e.g. mypkg.nets:make_net), got {spec!r}")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = Path(module_name)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {path}")
+            name = f"_torsh_user_{path.stem}"
+            module = sys.modules.get(name)
+            if module is None:
+                loader = importlib.util.spec_from_file_location(name, path)
+                assert loader is not None and loader.loader is not None
+                module = importlib.util.module_from_spec(loader)
+                sys.modules[name] = module
+                loader.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's input to report
+        raise ValueError(
+            f"--{what} {spec}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"--{what} {spec}: module {module_name!r} has no {attr!r}") from None
+
+
+def _callable(spec: str, *, what: str) -> Callable[..., Any]:
+    obj = load_object(spec, what=what)
+    if not callable(obj):
+        raise ValueError(f"--{what} {spec}: {type(obj).__name__} is not callable")
+    return obj
+
+
+@dataclass(kw_only=True, slots=True)
+class UserFactories:
+    """The ``MODULE:FUNCTION`` names of a user run (see the module docstring)."""
+
+    model: str
+    """Function returning the ``nn.Module`` (called on every rank under the run's seed)."""
+    dataset: str
+    """Function returning the map-style training dataset of ``(input, target)`` pairs."""
+    val_dataset: str = ""
+    """Function returning the validation dataset; empty = no validation."""
+    loss: str = ""
+    """Function ``(output, target) -> scalar``; empty = cross-entropy."""
+    tp_plan: str = ""
+    """Function returning a ``TPPlan`` (or a dict of module patterns to styles) for ``--tp``."""
+
+    def to_args(self) -> list[str]:
+        """The command-line flags that reproduce this spec (for the launched ranks)."""
+        out = ["--model", self.model, "--dataset", self.dataset]
+        for flag, value in (
+            ("--val-dataset", self.val_dataset),
+            ("--loss", self.loss),
+            ("--tp-plan", self.tp_plan),
+        ):
+            if value:
+                out += [flag, value]
+        return out
+
+    def _dataset(self, spec: str, what: str) -> Any:
+        data = _callable(spec, what=what)()
+        if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+            raise ValueError(
+                f"--{what} {spec} returned {type(data).__name__}, expected a map-style dataset "
+                "(with __getitem__ and __len__)"
+            )
+        if len(data) == 0:
+            raise ValueError(f"--{what} {spec} returned an empty dataset")
+        item = data[0]
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(
+                f"--{what} {spec}: items must be (input, target) pairs, item 0 is "
+                f"{type(item).__name__}"
+            )
+        return data
+
+    def _plan(self) -> TPPlan | None:
+        if not self.tp_plan:
+            return None
+        plan = _callable(self.tp_plan, what="tp-plan")()
+        if isinstance(plan, dict):
+            plan = TPPlan(rules=plan)
+        if not isinstance(plan, TPPlan):
+            raise ValueError(
+                f"--tp-plan {self.tp_plan} returned {type(plan).__name__}, expected a TPPlan or "
+                "a dict of module patterns to styles"
+            )
+        return plan
+
+    def check(self, config: EngineConfig) -> None:
+        """Import and call every factory once (the model on ``meta``); validate what the
+        parallel settings need of the model. No process group is needed.
+
+        Raises:
+            ValueError: naming the flag and what is wrong.
+        """
+        factory = _callable(self.model, what="model")
+        with torch.device("meta"):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"--model {self.model} returned {type(model).__name__}, expected a torch.nn.Module"
+            )
+        self._dataset(self.dataset, "dataset")
+        if self.val_dataset:
+            self._dataset(self.val_dataset, "val-dataset")
+        if self.loss:
+            _callable(self.loss, what="loss")
+        plan = self._plan()
+        par = config.parallel
+        if par.tp > 1:
+            if plan is None:
+                raise ValueError(f"--tp {par.tp} needs --tp-plan MODULE:FUNCTION for a user model")
+            resolve_tp_plan(model, plan, par.tp)
+        elif plan is not None:
+            raise ValueError("--tp-plan is given but --tp is 1")
+        if par.pp > 1:
+            check_split_points(model, par.split_points, num_stages=par.pp * par.virtual_stages)
+
+    def engine(self, config: EngineConfig) -> Engine:
+        """The engine for this run (on a rank: the factories are called here)."""
+        return Engine(
+            _callable(self.model, what="model"),
+            dataset=self._dataset(self.dataset, "dataset"),
+            val_dataset=self._dataset(self.val_dataset, "val-dataset") if self.val_dataset else None,
+            loss_fn=_callable(self.loss, what="loss") if self.loss else None,
+            config=config,
+            tp_plan=self._plan(),
+            settings={"model": self.model, "dataset": self.dataset, "loss": self.loss},
+        )

@@ -86,7 +86,8 @@ def _close(a: list[float], b: list[float], rel: float) -> None:
 @pytest.mark.slow
 def test_data_parallel_strategies_equal_one_process(reference):
     results = run_distributed(_runs, 2, args=(DP_CASES,), timeout=300)
-    assert results[0] == results[1], "ranks disagree"
+    for name in DP_CASES:  # compression figures are per rank (seconds); the losses are global
+        assert results[0][name]["losses"] == results[1][name]["losses"], f"{name}: ranks disagree"
     for name, (kind, _, extra) in DP_CASES.items():
         got, want = results[0][name], reference[kind]
         rel = 2e-3 if "compression.method" in extra else 1e-5  # fp16: rounding of the exchange
@@ -109,7 +110,7 @@ def test_tensor_plan_and_pipeline_split_equal_one_process(reference):
     for name, (kind, _, _) in MP_CASES.items():
         _close(reference[kind]["losses"], results[0][name]["losses"], 1e-4)
         assert results[0][name]["val"] == pytest.approx(reference[kind]["val"], rel=1e-4)
-        assert results[0][name] == results[1][name], f"{name}: ranks disagree"
+        assert results[0][name]["losses"] == results[1][name]["losses"], f"{name}: ranks disagree"
 
 
 def test_dp_by_pp_on_four_ranks_equals_one_process(reference):

@@ -76,6 +76,15 @@ def _callable(spec: str, *, what: str) -> Callable[..., Any]:
     return obj
 
 
+def _call(spec: str, *, what: str) -> Any:
+    """Call the factory ``spec`` names; its own exceptions become one ``ValueError`` line."""
+    factory = _callable(spec, what=what)
+    try:
+        return factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory failed: report, don't trace
+        raise ValueError(f"--{what} {spec} raised {type(exc).__name__}: {exc}") from exc
+
+
 @dataclass(kw_only=True, slots=True)
 class UserFactories:
     """The ``MODULE:FUNCTION`` names of a user run (see the module docstring)."""
@@ -104,7 +113,7 @@ class UserFactories:
         return out
 
     def _dataset(self, spec: str, what: str) -> Any:
-        data = _callable(spec, what=what)()
+        data = _call(spec, what=what)
         if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise ValueError(
                 f"--{what} {spec} returned {type(data).__name__}, expected a map-style dataset "
@@ -123,7 +132,7 @@ class UserFactories:
     def _plan(self) -> TPPlan | None:
         if not self.tp_plan:
             return None
-        plan = _callable(self.tp_plan, what="tp-plan")()
+        plan = _call(self.tp_plan, what="tp-plan")
         if isinstance(plan, dict):
             plan = TPPlan(rules=plan)
         if not isinstance(plan, TPPlan):
@@ -140,9 +149,8 @@ class UserFactories:
         Raises:
             ValueError: naming the flag and what is wrong.
         """
-        factory = _callable(self.model, what="model")
         with torch.device("meta"):
-            model = factory()
+            model = _call(self.model, what="model")
         if not isinstance(model, nn.Module):
             raise ValueError(
                 f"--model {self.model} returned {type(model).__name__}, expected a torch.nn.Module"

@@ -1,0 +1,115 @@
+"""`torsh-dist train --model MODULE:FUNCTION --dataset MODULE:FUNCTION`: the user's own model
+through the real launcher on 1, 2 and 4 ranks, and every bad input reported before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
+MODELS = "torsh_distributed.testing.models"
+USER = ["--model", f"{MODELS}:tiny_lm", "--dataset", f"{MODELS}:token_data",
+        "--val-dataset", f"{MODELS}:token_data"]
+QUICK = ["--max-steps", "4", "--batch-size", "16", "--eval-batches", "1", "--progress", "false"]
+
+FACTORIES = '''
+import torch
+from torsh_distributed.testing.models import PairDataset, mlp
+
+def make_model():
+    return mlp()
+
+def make_dataset():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    return PairDataset(x, (x.sum(dim=1) > 0).long())
+
+def not_a_model():
+    return 42
+
+def not_pairs():
+    return [torch.zeros(3)] * 8
+
+def broken():
+    raise RuntimeError("no data today")
+'''
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "train", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _summary(tmp_path: Path, name: str, args: list[str]) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = _run([*args, "--summary-json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture()
+def factories(tmp_path: Path) -> str:
+    path = tmp_path / "my_factories.py"
+    path.write_text(FACTORIES)
+    return str(path)
+
+
+def test_one_and_two_ranks_train_the_same_user_model(tmp_path: Path):
+    one = _summary(tmp_path, "one", [*USER, *QUICK])
+    two = _summary(tmp_path, "two", ["--nproc-per-node", "2", *USER, *QUICK, "--zero-stage", "3"])
+    assert one["world_size"] == 1 and two["world_size"] == 2 and two["steps"] == 4
+    for key in ("initial_loss", "final_loss", "val_loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    assert one["samples_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_four_ranks_pipeline_split_of_a_file_factory(tmp_path: Path, factories: str):
+    s = _summary(tmp_path, "pp", ["--nproc-per-node", "4", "--model", f"{factories}:make_model",
+                                  "--dataset", f"{factories}:make_dataset", *QUICK,
+                                  "--pp", "2", "--pp-split", "2", "--microbatches", "2"])
+    assert s["world_size"] == 4 and s["layout"] == {"dp": 2, "tp": 1, "pp": 2}
+
+
+BAD = [
+    (["--model", "no_such_pkg.nets:make", "--dataset", f"{MODELS}:token_data"],
+     "--model no_such_pkg.nets:make: cannot import 'no_such_pkg.nets'"),
+    (["--model", f"{MODELS}:nothing_here", "--dataset", f"{MODELS}:token_data"],
+     f"module '{MODELS}' has no 'nothing_here'"),
+    (["--model", "tiny_lm", "--dataset", f"{MODELS}:token_data"],
+     "--model must be MODULE:FUNCTION"),
+    (["--dataset", f"{MODELS}:token_data"], "--dataset need --model"),
+    (["--model", f"{MODELS}:tiny_lm"], "--model needs --dataset"),
+    ([*USER, "--pp", "2", "--pp-split", "layer.9"], "'layer.9' names no module"),
+    ([*USER, "--tp", "2"], "--tp 2 needs --tp-plan"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_input_is_one_clear_line_before_any_rank(args: list[str], message: str):
+    proc = _run(["--nproc-per-node", "2", *args, *QUICK], timeout=90)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "[rank" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "{f}:not_a_model", "--dataset", "{f}:make_dataset"],
+         "returned int, expected a torch.nn.Module"),
+        (["--model", "{f}:make_model", "--dataset", "{f}:not_pairs"],
+         "items must be (input, target) pairs"),
+        (["--model", "{f}:make_model", "--dataset", "{f}:broken"], "no data today"),
+        (["--model", "{f}/missing.py:make_model", "--dataset", "{f}:make_dataset"],
+         "cannot import"),
+    ],
+)
+def test_bad_factories_in_a_file(factories: str, flags: list[str], message: str):
+    proc = _run(["--nproc-per-node", "2", *[f.format(f=factories) for f in flags], *QUICK], timeout=90)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout

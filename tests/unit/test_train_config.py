@@ -96,3 +96,18 @@ def test_optimizer_flags_build_sgd_and_invalid_ones_are_named():
         OptimConfig(optimizer="sgd", momentum=1.0)
     with pytest.raises(ValueError, match="applies to optimizer 'sgd' only"):
         OptimConfig(momentum=0.9)
+
+
+def test_ddp_options_are_warned_as_ignored_without_ddp():
+    from torsh_distributed.parallel.config import ParallelConfig
+
+    with pytest.warns(UserWarning, match=r"parallel.static_graph are DDP's options and are ignored with FSDP2"):
+        ParallelConfig(zero_stage=3, static_graph=True)
+    with pytest.warns(UserWarning, match=r"bucket_cap_mb are DDP's options and are ignored with tp/pp > 1"):
+        ParallelConfig(tp=2, bucket_cap_mb=5)
+    with pytest.raises(ValueError, match="parallel.pp_split names 2 split points; pp=2 x virtual_stages=1"):
+        ParallelConfig(pp=2, pp_split="layers.2,layers.4")
+    with pytest.raises(ValueError, match="parallel.pp_split='layers.2' needs parallel.pp > 1"):
+        ParallelConfig(pp_split="layers.2")
+    with pytest.raises(ValueError, match="fp16 needs loss scaling, which does not combine with tp/pp"):
+        ParallelConfig(tp=2, param_dtype="fp16")

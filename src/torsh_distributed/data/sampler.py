@@ -87,7 +87,36 @@ def _generator(seed: int, counter: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * _SEED_MIX + counter)
 
 
-class EpochSampler:
+class _Sampler:
+    """What both samplers hold: the dataset length, the global batch and the seed."""
+
+    __slots__ = ("_num_samples", "_global_batch", "_seed")
+
+    def __init__(self, num_samples: int, *, global_batch: int, seed: int) -> None:
+        _check_count("num_samples", num_samples)
+        _check_count("global_batch", global_batch)
+        _check_seed(seed)
+        self._num_samples = num_samples
+        self._global_batch = global_batch
+        self._seed = seed
+
+    @property
+    def num_samples(self) -> int:
+        """Dataset length (indices are drawn from ``[0, num_samples)``)."""
+        return self._num_samples
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step over all ranks."""
+        return self._global_batch
+
+    @property
+    def seed(self) -> int:
+        """Seed of the sample order."""
+        return self._seed
+
+
+class EpochSampler(_Sampler):
     """Shuffled epochs without replacement; the last partial batch of each epoch is dropped.
 
     Step ``s`` belongs to epoch ``s // batches_per_epoch``; epoch ``e`` is the permutation
@@ -109,40 +138,20 @@ class EpochSampler:
             ``global_batch`` (an epoch would hold no batch).
     """
 
-    __slots__ = ("_num_samples", "_global_batch", "_seed", "_shuffle", "_cache")
+    __slots__ = ("_shuffle", "_cache")
 
     def __init__(
         self, num_samples: int, *, global_batch: int, seed: int = 0, shuffle: bool = True
     ) -> None:
-        _check_count("num_samples", num_samples)
-        _check_count("global_batch", global_batch)
-        _check_seed(seed)
+        super().__init__(num_samples, global_batch=global_batch, seed=seed)
         if num_samples < global_batch:
             raise ValueError(
                 f"num_samples {num_samples} is smaller than global_batch {global_batch}: "
                 "an epoch would hold no full batch (the last partial batch is dropped)"
             )
-        self._num_samples = num_samples
-        self._global_batch = global_batch
-        self._seed = seed
         self._shuffle = bool(shuffle)
         # One permutation is kept: consecutive steps reuse it instead of redrawing O(N) work.
         self._cache: tuple[int, torch.Tensor] | None = None
-
-    @property
-    def num_samples(self) -> int:
-        """Dataset length."""
-        return self._num_samples
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per step over all ranks."""
-        return self._global_batch
-
-    @property
-    def seed(self) -> int:
-        """Seed of the epoch permutations."""
-        return self._seed
 
     @property
     def shuffle(self) -> bool:
@@ -193,7 +202,7 @@ class EpochSampler:
         )
 
 
-class ReplacementSampler:
+class ReplacementSampler(_Sampler):
     """Independent uniform draws with replacement: the built-in trainer's sampling.
 
     ``indices(step)`` is ``torch.randint(0, num_samples, (global_batch,))`` from a generator
@@ -212,30 +221,10 @@ class ReplacementSampler:
         ValueError: ``num_samples`` or ``global_batch`` is < 1.
     """
 
-    __slots__ = ("_num_samples", "_global_batch", "_seed")
+    __slots__ = ()
 
     def __init__(self, num_samples: int, *, global_batch: int, seed: int = 0) -> None:
-        _check_count("num_samples", num_samples)
-        _check_count("global_batch", global_batch)
-        _check_seed(seed)
-        self._num_samples = num_samples
-        self._global_batch = global_batch
-        self._seed = seed
-
-    @property
-    def num_samples(self) -> int:
-        """Size of the range indices are drawn from."""
-        return self._num_samples
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per step over all ranks."""
-        return self._global_batch
-
-    @property
-    def seed(self) -> int:
-        """Seed of the stream."""
-        return self._seed
+        super().__init__(num_samples, global_batch=global_batch, seed=seed)
 
     def indices(self, step: int) -> torch.Tensor:
         """The global batch of ``step`` (an int64 tensor of ``global_batch`` indices)."""

@@ -14,6 +14,14 @@ __all__ = ["ParallelConfig", "parse_activation_checkpointing", "ZERO_STAGES"]
 ZERO_STAGES = (0, 1, 2, 3)
 _DTYPES = ("fp32", "bf16", "fp16")
 _PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_DDP_FIELDS = (
+    "bucket_cap_mb",
+    "first_bucket_mb",
+    "static_graph",
+    "gradient_as_bucket_view",
+    "find_unused_parameters",
+    "init_sync",
+)
 
 
 def parse_activation_checkpointing(text: str) -> int:
@@ -121,7 +129,7 @@ class ParallelConfig:
 
     @property
     def model_parallel(self) -> bool:
-        """Whether tensor or pipeline parallelism is on (the trainer's model-parallel loop)."""
+        """Whether tensor or pipeline parallelism is on (then no DDP wrapper)."""
         return self.tp > 1 or self.pp > 1
 
     # --- end model parallelism ---
@@ -187,12 +195,24 @@ class ParallelConfig:
             raise ValueError(f"parallel.bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if self.first_bucket_mb < 0:
             raise ValueError(f"parallel.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")
+        self._warn_ddp_options()
         self._check_loss_scale()
         parse_activation_checkpointing(self.activation_checkpointing)
         if self.wrap not in ("block", "size"):
             raise ValueError(f"parallel.wrap must be block or size; got {self.wrap!r}")
         if self.wrap_min_params < 1:
             raise ValueError(f"parallel.wrap_min_params must be >= 1, got {self.wrap_min_params}")
+
+    def _warn_ddp_options(self) -> None:
+        defaults = ParallelConfig.__dataclass_fields__
+        changed = [n for n in _DDP_FIELDS if getattr(self, n) != defaults[n].default]
+        if changed and (self.zero_stage >= 2 or self.model_parallel):
+            why = "FSDP2 (zero_stage >= 2)" if self.zero_stage >= 2 else "tp/pp > 1"
+            warnings.warn(
+                f"parallel.{', parallel.'.join(changed)} are DDP's options and are ignored with "
+                f"{why}: no DDP wrapper is used there",
+                stacklevel=3,
+            )
 
     def _check_loss_scale(self) -> None:
         if not (self.loss_scale_init > 0 and math.isfinite(self.loss_scale_init)):

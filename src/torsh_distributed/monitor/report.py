@@ -64,6 +64,10 @@ class Report:
     comm: list[dict[str, Any]] = field(default_factory=list)
     slowest_by_step: list[list[int]] = field(default_factory=list)
     """``[step, slowest rank]`` of every aggregation (the warm-up one included)."""
+    samples_per_s: float = 0.0
+    """Mean over the run's aggregations of the job's samples per second."""
+    first_step: int = 1
+    """The first step measured (after a resume: the step after the checkpoint's)."""
     custom: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per custom metric: ``last`` (cross-rank mean of the last aggregation), ``mean`` (of the
     cross-rank means over every aggregation), ``min`` and ``max`` (over ranks and aggregations)."""
@@ -73,6 +77,7 @@ class Report:
             "steps": self.steps, "world_size": self.world_size, "breakdown": self.breakdown,
             "per_rank": self.per_rank, "slowest_rank": self.slowest_rank,
             "imbalance": self.imbalance, "tokens_per_s": self.tokens_per_s,
+            "samples_per_s": self.samples_per_s, "first_step": self.first_step,
             "memory": self.memory, "findings": [f.to_dict() for f in self.findings],
             "anomalies": self.anomalies, "alerts": self.alerts, "comm": self.comm,
             "slowest_by_step": self.slowest_by_step, "custom": self.custom,
@@ -85,10 +90,11 @@ class Report:
             f"{p} {self.breakdown[p] * 1e3:.1f} ms ({self.breakdown[p] / step:.0%})" for p in PHASES
         )
         lines = [
-            f"bottleneck report ({self.steps} steps, {self.world_size} ranks)",
+            f"bottleneck report (steps {self.first_step}-{self.steps}, {self.world_size} ranks)",
             f"  step time {step * 1e3:.1f} ms (median rank): {parts}",
             f"  slowest rank: {self.slowest_rank} (busy time {self.imbalance:.2f}x the median); "
-            f"throughput {self.tokens_per_s:,.0f} tokens/s",
+            f"throughput {self.samples_per_s:,.1f} samples/s"
+            + (f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""),
         ]
         if len(self.per_rank) <= 16:
             lines.append("  per rank (ms/step busy / comm wait): " + ", ".join(
@@ -138,6 +144,7 @@ def build_report(
     alerts: dict[str, Any] | None = None,
     comm: list[dict[str, Any]] | None = None,
     thresholds: dict[str, float] | None = None,
+    first_step: int = 1,
 ) -> Report:
     """Apply the report rules to the aggregations of a run.
 
@@ -151,6 +158,7 @@ def build_report(
         alerts: Alert statistics, copied into the report.
         comm: Collective summary of the comm profiler, when it ran.
         thresholds: Overrides of :data:`THRESHOLDS`.
+        first_step: The first step this run measured (1, or the step after a resume's).
     """
     if not history:
         raise ValueError("build_report needs at least one aggregation")
@@ -234,6 +242,7 @@ def build_report(
         steps=int(window[-1].step), world_size=world, breakdown=breakdown, per_rank=per_rank,
         slowest_rank=slowest, imbalance=imbalance,
         tokens_per_s=_mean([a.tokens_per_s for a in window]), memory=memory, findings=findings,
+        samples_per_s=_mean([a.samples_per_s for a in window]), first_step=first_step,
         anomalies=[a.to_dict() for a in anomalies or []], alerts=alerts or {}, comm=comm or [],
         slowest_by_step=[[a.step, a.slowest_rank] for a in history],
         custom=_custom_summary(history),

@@ -183,6 +183,7 @@ class StepMonitor:
         self._slow = self._parse_slow()
         self._trace = PhaseTrace() if config.trace else None
         self._step = 0
+        self._first_step: int | None = None
         self._prof_seen = 0
         self._overhead_s = 0.0  # time in aggregations (collective, alerts, sinks)
         self._aggregations = 0
@@ -254,6 +255,8 @@ class StepMonitor:
             return
         self._t0 = self._last = time.perf_counter()
         self._step = step + 1
+        if self._first_step is None:
+            self._first_step = step + 1
         if self._slow:
             time.sleep(self._slow)
 
@@ -467,6 +470,7 @@ class StepMonitor:
             anomalies=list(self.anomalies.found),
             alerts=self.alerts.statistics() if self.alerts else {},
             comm=comm,
+            first_step=self._first_step or 1,
         )
         data = json_safe(self.report.to_dict())
         data["monitor_overhead"] = {  # this rank's own cost, measured (hooks excluded: ~us/step)

@@ -1,0 +1,127 @@
+"""Every script in ``examples/`` runs end to end through the real launcher (``torsh-dist run`` or
+``torsh-dist train``): real worker processes, Gloo on CPU, 6 steps each."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torsh_distributed.testing import find_free_port
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+TORSH_DIST = Path(sys.executable).parent / "torsh-dist"
+TIMEOUT_S = 180
+# Variables of an enclosing launcher would leak into the one under test.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+_FLOAT = r"(\d+\.\d+)"
+
+# script -> a line every rank prints at the end (groups: values that must agree across ranks)
+FINAL_LINES = {
+    "ddp_compression.py": rf"final loss {_FLOAT}, validation {_FLOAT}, compression ratio {_FLOAT}x",
+    "zero3.py": rf"final loss {_FLOAT}; model states per rank (\d+) B",
+    "tp_plan.py": rf"final loss {_FLOAT} with tp=2",
+    "pipeline_split.py": rf"final loss {_FLOAT}, layout (\{{'dp': 1, 'tp': 1, 'pp': 2\}})",
+}
+COVERED = {*FINAL_LINES, "own_loop.py", "factories.py"}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    return env
+
+
+def torsh_dist(*argv: str) -> str:
+    """Run ``torsh-dist ARGV`` from the repository root; its stdout, after checking it exited 0."""
+    result = subprocess.run(
+        [str(TORSH_DIST), *argv], cwd=REPO, env=_env(), timeout=TIMEOUT_S,
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, (
+        f"torsh-dist {' '.join(argv)} exited {result.returncode}\n"
+        f"--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}"
+    )
+    return result.stdout
+
+
+def run_example(script: str, *args: str, nproc: int = 2, max_steps: int = 6) -> str:
+    return torsh_dist(
+        "run", "--nproc-per-node", str(nproc), f"examples/{script}",
+        "--max-steps", str(max_steps), *args,
+    )
+
+
+def final_values(stdout: str, pattern: str, *, nproc: int) -> tuple[str, ...]:
+    """The groups of ``pattern`` in each rank's final line; every rank must print the same."""
+    found = {
+        int(m.group(1)): m.groups()[1:]
+        for m in re.finditer(rf"^\[rank(\d+)\]: {pattern}$", stdout, re.MULTILINE)
+    }
+    assert sorted(found) == list(range(nproc)), f"final line {pattern!r} missing:\n{stdout[-4000:]}"
+    assert len(set(found.values())) == 1, f"ranks disagree: {found}"
+    return found[0]
+
+
+def test_every_example_is_run_by_a_test() -> None:
+    assert {p.name for p in EXAMPLES.glob("*.py")} == COVERED
+
+
+@pytest.mark.parametrize("script", sorted(FINAL_LINES))
+def test_example_runs_on_two_ranks(script: str) -> None:
+    values = final_values(run_example(script), FINAL_LINES[script], nproc=2)
+    assert float(values[0]) > 0  # a loss was computed (NaN would not match the pattern)
+
+
+@pytest.mark.slow
+def test_pipeline_split_dp2_pp2_on_four_ranks() -> None:
+    stdout = run_example("pipeline_split.py", "--split", "layers.1", nproc=4)
+    pattern = rf"final loss {_FLOAT}, layout (\{{'dp': 2, 'tp': 1, 'pp': 2\}})"
+    final_values(stdout, pattern, nproc=4)
+
+
+OWN_LOOP_FINAL = rf"steps (\d+) -> (\d+): final loss {_FLOAT}, accuracy {_FLOAT}, compression {_FLOAT}x"
+
+
+def _own_loop_final(stdout: str) -> tuple[str, ...]:
+    match = re.search(rf"^\[rank0\]: {OWN_LOOP_FINAL}$", stdout, re.MULTILINE)
+    assert match, f"no final line:\n{stdout[-4000:]}"
+    return match.groups()
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S + 60)
+def test_own_loop_resumes_where_it_stopped(tmp_path: Path) -> None:
+    ckpt, port = tmp_path / "own", find_free_port()
+    first = run_example("own_loop.py", "--checkpoint-dir", str(ckpt), "--metrics-port", str(port))
+    assert f"[rank0]: prometheus metrics: http://127.0.0.1:{port}/metrics" in first
+    start, stop, _, _, ratio = _own_loop_final(first)
+    assert (start, stop) == ("0", "6")
+    assert float(ratio) > 1  # PowerSGD compressed the all-reduce
+    assert (ckpt / "step_00000006").is_dir()
+
+    second = run_example("own_loop.py", "--checkpoint-dir", str(ckpt), max_steps=12)
+    assert f"[rank0]: resumed from {ckpt / 'step_00000006'} at step 6" in second
+    start, stop, loss, accuracy, _ = _own_loop_final(second)
+    assert (start, stop) == ("6", "12")
+    assert (ckpt / "step_00000012").is_dir()
+
+    # Model, optimizer, data position, RNG and PowerSGD state all resumed: same as no break.
+    whole = run_example("own_loop.py", "--checkpoint-dir", str(tmp_path / "whole"), max_steps=12)
+    assert _own_loop_final(whole)[:4] == ("0", "12", loss, accuracy)
+
+
+def test_factories_through_torsh_dist_train() -> None:
+    stdout = torsh_dist(
+        "train", "--nproc-per-node", "2",
+        "--model", "examples/factories.py:make_model",
+        "--dataset", "examples/factories.py:make_dataset",
+        "--val-dataset", "examples/factories.py:make_val",
+        "--max-steps", "6", "--batch-size", "16",
+    )
+    assert re.search(r"^\[rank0\]: \| steps\s+\|\s+6 \|$", stdout, re.MULTILINE), stdout[-4000:]
+    assert re.search(rf"^\[rank0\]: \| validation loss\s+\|\s+{_FLOAT} \|$", stdout, re.MULTILINE)

@@ -22,12 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     from torsh_distributed.cli import train as train_cmd
 
     run_cmd.register(sub)
-    from torsh_distributed.cli import checkpoint as checkpoint_cmd  # issue 5
+    from torsh_distributed.cli import checkpoint as checkpoint_cmd
 
     checkpoint_cmd.register(sub)
     train_cmd.register(sub)
-    __import__("torsh_distributed.cli.bench", fromlist=["register"]).register(sub)  # issue 3
-    __import__("torsh_distributed.cli.plan", fromlist=["register"]).register(sub)  # issue 4
+    __import__("torsh_distributed.cli.bench", fromlist=["register"]).register(sub)
+    __import__("torsh_distributed.cli.plan", fromlist=["register"]).register(sub)
     return parser
 
 

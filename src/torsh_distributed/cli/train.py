@@ -37,10 +37,11 @@ __all__ = ["register", "add_config_arguments", "config_from_args", "main"]
 _EPILOG = """\
 examples:
   torsh-dist train --nproc-per-node 2 --preset tiny
-  torsh-dist train --nproc-per-node 2 --model examples/own_model.py:make_model \
-      --dataset examples/own_model.py:make_dataset --zero-stage 3 --max-steps 100
-  torsh-dist train --nproc-per-node 4 --model mypkg.nets:transformer --dataset mypkg.data:tokens \
-      --pp 2 --pp-split layers.4 --loss mypkg.nets:loss
+  # your own model: factories named MODULE:FUNCTION (a module name or a .py file)
+  torsh-dist train --nproc-per-node 2 --model examples/factories.py:make_model \\
+      --dataset examples/factories.py:make_dataset --zero-stage 3 --max-steps 100
+  torsh-dist train --nproc-per-node 4 --model mypkg.nets:transformer \\
+      --dataset mypkg.data:tokens --pp 2 --pp-split layers.4 --loss mypkg.nets:loss
   torsh-dist train --nproc-per-node 4 --preset tiny --max-steps 50 --batch-size 64 --lr 2e-3
   torsh-dist train --preset small --model.n-layer 6 --summary-json runs/small.json
   torsh-dist run --nproc-per-node 2 -m torsh_distributed.train --preset tiny   # same, via run

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 class Bucket(Protocol):
     """What :meth:`CompressionHook.run` reads of a gradient bucket: DDP's ``dist.GradBucket``,
-    or the model-parallel loop's one flat exchange."""
+    or the flat dp exchange of a model-parallel run (``sync_grads``)."""
 
     def buffer(self) -> torch.Tensor: ...
 
@@ -282,7 +282,7 @@ class CompressionHook:
 
 
 def _local_shape(p: torch.Tensor) -> torch.Size:
-    """A parameter's shape on this rank (a DTensor's local shard: the model-parallel loop)."""
+    """A parameter's shape on this rank (a DTensor's local shard under tensor parallelism)."""
     to_local = getattr(p, "to_local", None)
     return to_local().shape if callable(to_local) else p.shape
 

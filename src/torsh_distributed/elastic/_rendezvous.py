@@ -58,7 +58,7 @@ class _LocalRendezvous(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is not None:
-            # A restart (issue 5): workers' keys (Gloo addresses, barriers) of the dead attempt
+            # A restart: workers' keys (Gloo addresses, barriers) of the dead attempt
             # live in the old store, so the new attempt gets a fresh store on a fresh port, as
             # torch's own rendezvous does ("a new TCPStore for every retry").
             self._listener = _listen(self._addr, 0)

@@ -83,7 +83,7 @@ class EngineConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     """Communication: gradient all-reduce algorithm (facade hook), --trace FILE, debug mode."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
-    """Gradient compression (--compression SPEC, DDP only) and DDP's wrapper options."""
+    """Gradient compression (--compression SPEC): DDP's all-reduce, or tp/pp runs' dp exchange."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """Observability: --metrics-port, --dashboard-port, --alerts FILE, --report-json FILE."""
     max_steps: int = 200

@@ -24,8 +24,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        # chunk/-1 rather than the full width: under tensor parallelism (issue 7) qkv yields only
-        # this rank's heads, grouped [q | k | v] per rank (see parallel/tensor.py)
+        # chunk/-1 rather than the full width: under tensor parallelism qkv yields only
+        # this rank's heads, grouped [q | k | v] per rank (see models/gpt_tp.py)
         q, k, v = self.qkv(x).chunk(3, dim=2)
         shape = (batch, seq, -1, self.head_dim)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))

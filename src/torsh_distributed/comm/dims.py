@@ -93,6 +93,7 @@ class ParallelDims:
     _intra: dist.ProcessGroup | None = field(default=None, init=False)
     _inter: dist.ProcessGroup | None = field(default=None, init=False)
     _subgroups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False)
+    _data: dist.ProcessGroup | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not self.world_size:
@@ -153,10 +154,46 @@ class ParallelDims:
         )
         for axis in AXES:
             _NAMES[id(self.mesh.get_group(axis))] = axis
+        self._build_data_groups()
         self._nodes = self._discover_nodes()
         self._build_hierarchy()
         _CURRENT = self
         return self
+
+    def _build_data_groups(self) -> None:
+        """The ``dp x ep`` groups: expert parallelism borrows data-parallel ranks (each ep rank
+        has its own tokens), so dense gradients are averaged over ``dp * ep`` ranks."""
+        self._data = None
+        if self.ep == 1:
+            return
+        assert self.mesh is not None
+        grid = self.mesh.mesh  # [pp, dp, ep, tp] -> global rank
+        rank = dist.get_rank()
+        for p in range(self.pp):
+            for t in range(self.tp):
+                ranks = [int(r) for r in grid[p, :, :, t].reshape(-1)]
+                group = self.subgroup(ranks, name="dp_ep")
+                if rank in ranks:
+                    self._data = group
+
+    @property
+    def data_degree(self) -> int:
+        """Data-parallel ranks: ``dp * ep`` (the ep ranks of a replica hold different tokens)."""
+        return self.dp * self.ep
+
+    def data_rank(self) -> int:
+        """This rank's index among the ``dp * ep`` data-parallel ranks (after :meth:`build`)."""
+        if self.mesh is None:
+            raise ValueError("call build() before asking for the data rank")
+        return self.mesh["dp"].get_local_rank() * self.ep + self.mesh["ep"].get_local_rank()
+
+    def data_group(self) -> dist.ProcessGroup:
+        """The group of the ``dp * ep`` data-parallel ranks holding this rank's model part."""
+        if self.ep == 1:
+            return self.group("dp")
+        if self._data is None:
+            raise ValueError("call build() before asking for groups")
+        return self._data
 
     def _discover_nodes(self) -> tuple[int, ...]:
         if self.node_assignment is not None:

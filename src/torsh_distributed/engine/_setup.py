@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.parallel.moe import moe_layers
 from torsh_distributed.parallel.parallelize import (
     check_world,
     materialize,
@@ -48,7 +49,7 @@ class RunPlan:
     dims: ParallelDims
     """Degrees (unbuilt until :func:`build_model`)."""
     per_dp: int
-    """Samples per data-parallel rank per step."""
+    """Samples per data-parallel rank per step (the batch is split over ``dp * ep`` ranks)."""
     tp_plan: TPPlan | None
     """The tensor-parallel plan, normalised (``None`` at tp 1)."""
 
@@ -76,14 +77,25 @@ def plan_run(
             dp=par.dp,
             tp=par.tp,
             pp=par.pp,
+            ep=par.ep,
             world_size=world_size,
             device_type=device_type,
             node_assignment=nodes,
         )
     except ValueError as exc:
         raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
-    per_dp = config.check_world(dims.dp)
+    per_dp = config.check_world(dims.data_degree)  # ep ranks hold different samples
     check_world(par, dims.dp)
+    if dims.ep > 1 and (config.checkpoint.dir or config.checkpoint.resume not in ("auto", "never")):
+        raise ValueError(
+            f"checkpoints of parallel.ep={dims.ep} runs are not built yet (each ep rank holds other "
+            "experts under the same names); run without --checkpoint-dir/--resume, or with ep 1"
+        )
+    if dims.ep > 1 and config.compression.enabled:
+        raise ValueError(
+            f"--compression {config.compression.method} with parallel.ep={dims.ep} is not built "
+            "yet; use --compression none with expert parallelism"
+        )
     if (dims.tp > 1 or dims.pp > 1) and config.grad_accum > 1:
         raise ValueError(
             f"--grad-accum {config.grad_accum} applies to data parallelism; with --tp/--pp "
@@ -120,6 +132,24 @@ def check_model(model: nn.Module, config: EngineConfig, run: RunPlan) -> None:
     dims = run.dims
     if run.tp_plan is not None:
         resolve_tp_plan(model, run.tp_plan, dims.tp)  # raises on a bad plan
+    layers = list(moe_layers(model))
+    if dims.ep > 1:
+        if not layers:
+            raise ValueError(
+                f"parallel.ep={dims.ep} shards MoE experts, but {type(model).__name__} has no MoE "
+                "layer (torsh_distributed.parallel.moe.MoE)"
+            )
+        for layer in layers:
+            if layer.config.num_experts % dims.ep:
+                raise ValueError(
+                    f"num_experts ({layer.config.num_experts}) of an MoE layer is not divisible "
+                    f"by parallel.ep ({dims.ep}): every ep rank holds num_experts / ep experts"
+                )
+    if layers and dims.pp > 1:
+        raise ValueError(
+            "MoE layers with pipeline parallelism are not built yet (their auxiliary losses live "
+            "on every stage); use pp=1"
+        )
     if dims.pp > 1:
         check_split_points(
             model,

@@ -59,6 +59,7 @@ from torsh_distributed.engine._checkpoint import RunCheckpoint, computation_sett
 from torsh_distributed.engine._comm import CommSetup, node_assignment
 from torsh_distributed.engine._compression import GradCompression
 from torsh_distributed.engine._memory import MemoryReport, planner_optimizer
+from torsh_distributed.engine._moe import MoEHooks
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.optim import build_optimizer, lr_at
 from torsh_distributed.engine.progress import Progress
@@ -245,6 +246,7 @@ class Engine:
                 group["foreach"] = False
         dp_group = None if dims.dp == dims.world_size else dims.group("dp")
         optimizer = shard_optimizer(optimizer, stage=par.zero_stage, process_group=dp_group)
+        moe = MoEHooks(built.holder, dims)  # aux losses, expert gradients, balancing, load
         scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory else None
         scaler = LossScaler.from_config(par, device=device)  # fp16: dynamic loss scaling
         flat_sync = run.model_parallel and not fsdp and dims.dp > 1
@@ -296,7 +298,7 @@ class Engine:
             total=cfg.max_steps, enabled=runtime.is_main and cfg.progress, desc=self.name
         )
         write = progress.write if cfg.progress else print
-        dp_rank = dims.mesh["dp"].get_local_rank()
+        dp_rank, dp_size = dims.data_rank(), dims.data_degree  # the batch splits over dp x ep
         pp_rank = dims.mesh["pp"].get_local_rank()
         # one rank per data-parallel replica counts its samples (the job's rate is the ranks' sum)
         counts = dims.mesh["tp"].get_local_rank() == 0 and pp_rank == dims.pp - 1
@@ -310,6 +312,7 @@ class Engine:
             samples_per_step=run.per_dp if counts else 0,
             tokens_per_step=run.per_dp * self.tokens_per_sample if counts else 0,
             params=params,
+            custom_metrics=moe.metric_names,
             echo=progress.write if cfg.progress else None,
         )
 
@@ -319,7 +322,7 @@ class Engine:
             if runtime.world_size > 1:
                 value = value.clone()
                 dist.all_reduce(value)
-            return value / (dims.dp * dims.tp)
+            return value / (dims.data_degree * dims.tp)
 
         def train_step(x: Any, y: Any) -> torch.Tensor | None:
             if built.pipe is not None:
@@ -328,12 +331,12 @@ class Engine:
             assert model is not None
             with S.loss_context(run):
                 if cfg.grad_accum == 1:
-                    loss = loss_fn(model(x), y)
+                    loss = moe.add_losses(loss_fn(model(x), y))
                     monitor.phase("forward")
                     scaler.backward(loss)  # loss.backward(), scaled for fp16
                     return loss
                 # forward and backward interleave: both count as "backward" in the monitor
-                return self._accumulate(model, loss_fn, scaler, x, y, cfg.grad_accum)
+                return self._accumulate(model, moe.wrap(loss_fn), scaler, x, y, cfg.grad_accum)
 
         def evaluate() -> float:
             if self.val_sampler is None:
@@ -346,7 +349,7 @@ class Engine:
             with torch.no_grad():
                 for i in range(cfg.eval_batches):
                     step = EVAL_STEP_BASE + i if self.sampler_kind == "replacement" else i
-                    x, y = self._batch(self.val_dataset, self.val_sampler, step, dp_rank, dims.dp, device)
+                    x, y = self._batch(self.val_dataset, self.val_sampler, step, dp_rank, dp_size, device)
                     if built.pipe is not None:
                         local = built.pipe.evaluate(x, y)
                     else:
@@ -365,13 +368,14 @@ class Engine:
             t0 = time.perf_counter()
             monitor.step_begin(step)
             lr = self._set_lr(optimizer, step)
-            x, y = self._batch(self.dataset, self.train_sampler, step, dp_rank, dims.dp, device)
+            x, y = self._batch(self.dataset, self.train_sampler, step, dp_rank, dp_size, device)
             monitor.phase("data")
             optimizer.zero_grad(set_to_none=True)
             loss = train_step(x, y)
             monitor.phase("backward")
             if dims.tp > 1:  # sequence-parallel norms' Partial gradients: one all-reduce over tp
                 reduce_partial_grads(params)
+            moe.reduce_expert_grads()  # ep > 1: sum over the experts' dp group, / (dp * ep)
             if flat_sync:  # dp exchange of a model-parallel run (FSDP2 and DDP do their own)
                 reduce = compression.reduce_flat if compression.hook is not None else None
                 sync_grads(params, dims.group("dp"), dims.dp, reduce=reduce)
@@ -381,7 +385,9 @@ class Engine:
             grad_norm = None  # reported by --monitor when clipping computes it
             scaler.unscale(optimizer)  # fp16: true gradients before clipping
             if cfg.optim.grad_clip:
-                if run.model_parallel:
+                if moe.experts:
+                    grad_norm = moe.clip(params, cfg.optim.grad_clip)
+                elif run.model_parallel:
                     pp_group = dims.group("pp") if dims.pp > 1 else None
                     grad_norm = clip_grad_norm_(params, cfg.optim.grad_clip, pp_group=pp_group)
                 else:
@@ -389,6 +395,7 @@ class Engine:
             scaler.step(optimizer)  # fp16: skipped on every rank if a gradient overflowed
             if scheduler is not None:
                 scheduler.step()
+            moe.after_step(monitor)  # bias balancing (load summed over dp x ep), load statistics
             monitor.phase("optimizer")
             memory.after_step(built.holder, optimizer, main=runtime.is_main, write=write)
             global_loss = float(global_mean(loss))
@@ -436,12 +443,13 @@ class Engine:
             wall_time_s=time.perf_counter() - started,
             num_params=built.num_params,
             backend=runtime.backend,
-            layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
+            layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
             memory=memory.summary(),
             compression=compression.summary(),
             monitor=monitor_report,
             checkpoint=ckpt.summary(),
             precision=scaler.summary(),
+            moe=moe.summary(),
         )
         if runtime.is_main:
             print_summary(result)

@@ -51,6 +51,8 @@ class TrainResult:
     """Checkpoint saves, seconds the loop was blocked by them, step resumed from; {} when off."""
     precision: dict = field(default_factory=dict)
     """Mixed precision: dtypes, and with fp16 the final loss scale and the skipped steps."""
+    moe: dict = field(default_factory=dict)
+    """MoE layers: tokens per expert over the run (all ranks), dropped share, load CV; {} without."""
 
     def summary(self) -> dict[str, Any]:
         """The summary fields (everything except the per-step losses)."""

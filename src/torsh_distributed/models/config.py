@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "MoESection"]
 
 
 def _positive(owner: str, name: str, value: float) -> None:
@@ -38,3 +38,54 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MoESection:
+    """Mixture-of-Experts in the built-in GPT: the MLP of chosen blocks becomes an MoE layer
+    (:class:`torsh_distributed.parallel.moe.MoE`); ``--ep N`` shards its experts over N ranks."""
+
+    num_experts: int = 0
+    """Routed experts per MoE block; 0 = a dense model (no MoE)."""
+    top_k: int = 2
+    """Experts per token (1 <= top_k <= num_experts): compute per token grows with it."""
+    every: int = 1
+    """Replace the MLP of every k-th block (blocks 0, k, 2k, ...); 1 = all blocks."""
+    d_hidden: int = 0
+    """Hidden width of each expert; 0 = the dense MLP's ``4 * d_model``."""
+    score: str = "softmax"
+    """Router scores: ``softmax`` (Switch, Mixtral) or ``sigmoid`` (DeepSeek-V3)."""
+    num_shared_experts: int = 0
+    """Always-on experts every token goes through (DeepSeek-MoE)."""
+    capacity_factor: float = 0.0
+    """0 = dropless; > 0 = each expert keeps at most ``ceil(cf * tokens * top_k / E)`` slots of
+    each rank's micro-batch (the highest-weighted), the rest skip the layer."""
+    aux_loss_coef: float = 0.01
+    """Switch load-balancing loss weight (0 = off); added to the training loss."""
+    z_loss_coef: float = 0.0
+    """ST-MoE router z-loss weight (1e-3 is usual; 0 = off)."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3 aux-loss-free balancing step per optimizer step (0 = off, 1e-3 typical)."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"moe.num_experts must be >= 0 (0 = dense), got {self.num_experts}")
+        if self.top_k < 1:
+            raise ValueError(f"moe.top_k must be >= 1, got {self.top_k}")
+        if self.num_experts and self.top_k > self.num_experts:
+            raise ValueError(
+                f"moe.top_k ({self.top_k}) must not exceed moe.num_experts ({self.num_experts})"
+            )
+        if self.every < 1:
+            raise ValueError(f"moe.every must be >= 1, got {self.every}")
+        if self.d_hidden < 0 or self.num_shared_experts < 0:
+            raise ValueError("moe.d_hidden and moe.num_shared_experts must be >= 0")
+        if self.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe.score must be softmax or sigmoid, got {self.score!r}")
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"moe.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torsh_distributed.models.config import ModelConfig
+from torsh_distributed.models.config import ModelConfig, MoESection
+from torsh_distributed.parallel.moe import MoE, MoEConfig, moe_layers
 
 __all__ = ["GPT", "Block", "lm_loss"]
 
@@ -49,12 +50,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; the unit for sharding and activation checkpointing."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MLP(config) if moe is None else MoE(moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -65,20 +66,43 @@ class GPT(nn.Module):
     """Decoder-only transformer over bytes: ``forward(idx)`` returns logits,
     ``forward(idx, targets)`` ``(logits, loss)``; splittable into pipeline stages at ``blocks.<i>``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, moe: MoESection | None = None) -> None:
         super().__init__()
         self.config = config
+        self.moe = moe if moe is not None and moe.enabled else None
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(config, self._moe_config(i)) for i in range(config.n_layer)
+        )
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
 
+    def _moe_config(self, index: int) -> MoEConfig | None:
+        m = self.moe
+        if m is None or index % m.every:
+            return None
+        return MoEConfig(
+            num_experts=m.num_experts,
+            d_model=self.config.d_model,
+            d_hidden=m.d_hidden or 4 * self.config.d_model,
+            top_k=m.top_k,
+            score=m.score,
+            num_shared_experts=m.num_shared_experts,
+            capacity_factor=m.capacity_factor,
+            aux_loss_coef=m.aux_loss_coef,
+            z_loss_coef=m.z_loss_coef,
+            bias_update_rate=m.bias_update_rate,
+        )
+
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation; residual projections scaled by depth."""
+        """GPT-2 initialisation; residual projections scaled by depth (MoE layers: their own)."""
+        moe = {id(p) for layer in moe_layers(self) for p in layer.parameters()}
         for name, param in self.named_parameters():
+            if id(param) in moe:
+                continue
             if param.dim() >= 2:
                 std = 0.02
                 if name.endswith(("proj.weight", "down.weight")):
@@ -90,6 +114,8 @@ class GPT(nn.Module):
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+        for layer in moe_layers(self):
+            layer.reset_parameters()
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -101,9 +101,13 @@ class ParallelConfig:
     """Comma-separated module names where stages 1, 2, ... begin (``layers.4`` or
     ``layers.2,layers.5``): entries of the model's container of repeated blocks. Empty = an even
     split of that container. Uneven splits balance a last stage that also runs the head."""
+    ep: int = field(default=1, metadata={"flags": ["--ep"]})
+    """Expert-parallel degree: the experts of every MoE layer sharded over ``ep`` ranks, tokens
+    sent to their experts by all-to-all. The ep ranks hold different tokens (ep borrows from data
+    parallelism: the batch is split over ``dp * ep`` ranks); ``num_experts`` must divide by it."""
     dp: int = field(default=-1, metadata={"flags": ["--dp"]})
-    """Data-parallel degree; -1 = the rest (world size / (tp * pp)). ``dp * tp * pp`` must equal
-    the world size."""
+    """Data-parallel degree; -1 = the rest (world size / (tp * pp * ep)). ``dp * tp * pp * ep``
+    must equal the world size."""
     pp_schedule: str = field(default="1f1b", metadata={"flags": ["--pp-schedule"]})
     """``gpipe`` (all forwards then all backwards; stashes every micro-batch's activations),
     ``1f1b`` (at most ``pp`` micro-batches in flight; same bubble) or ``interleaved`` (1F1B over
@@ -234,7 +238,7 @@ class ParallelConfig:
             )
 
     def _check_model_parallel(self) -> None:  # world-size checks: engine (before any collective)
-        for name in ("tp", "pp", "virtual_stages"):
+        for name in ("tp", "pp", "ep", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.dp != -1 and self.dp < 1:
@@ -255,6 +259,11 @@ class ParallelConfig:
                 "parallel.tp/pp > 1 combine with zero_stage 0 (dp gradient all-reduce) or 2-3 "
                 "(FSDP2 over the dp axis), not with zero_stage 1 (ZeroRedundancyOptimizer "
                 "broadcasts whole parameters, not tensor-parallel shards)"
+            )
+        if self.ep > 1 and (self.model_parallel or self.zero_stage):
+            raise ValueError(
+                f"parallel.ep={self.ep} combines with DDP (zero_stage 0) and tp = pp = 1 for now; "
+                f"got zero_stage={self.zero_stage}, tp={self.tp}, pp={self.pp}"
             )
         if self.pp_split and self.pp < 2:
             raise ValueError(f"parallel.pp_split={self.pp_split!r} needs parallel.pp > 1")

@@ -6,8 +6,11 @@ order (torchtitan's, for the same reasons):
 1. **Tensor / sequence parallelism by plan** (:func:`~.tp_plan.apply_tp_plan` over the ``tp``
    mesh axis): it must see the plain modules (their types and names) and its DTensors are what
    FSDP then shards over ``dp`` (a 2-D layout).
-2. **Expert parallelism**: the slot where MoE layers will shard experts over the ``ep`` axis
-   (not built yet: ``ep > 1`` is refused).
+2. **Expert parallelism** (:func:`~.expert.apply_ep`): every MoE layer keeps its ``num_experts /
+   ep`` experts of this rank of the ``ep`` axis and exchanges tokens by all-to-all; before
+   checkpointing (which must see the dispatching layer) and before DDP, which then averages only
+   the dense parameters over the ``dp * ep`` data-parallel ranks (the experts' gradients are
+   reduced over their ``dp`` group by :func:`~.expert.reduce_expert_grads`).
 3. **Activation checkpointing** of the repeated blocks (every block or every k-th): wraps blocks,
    so it must come after TP (which addresses modules inside them) and before FSDP (which shards
    a checkpoint-wrapped block as one unit).
@@ -34,12 +37,14 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.nn.parallel import DistributedDataParallel
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.parallel.blocks import block_entries, find_blocks
 from torsh_distributed.parallel.checkpointing import apply_ac
 from torsh_distributed.parallel.config import ParallelConfig
 from torsh_distributed.parallel.data import DDPOptions, apply_ddp
+from torsh_distributed.parallel.expert import apply_ep, expert_parameters
 from torsh_distributed.parallel.precision import apply_autocast
 from torsh_distributed.parallel.sharded import apply_fsdp, select_units
 from torsh_distributed.parallel.tp_plan import TPPlan, apply_tp_plan
@@ -119,7 +124,8 @@ def parallelize(
         with dp > 1 (build the optimizer over ``model``'s parameters), else ``model``.
 
     Raises:
-        ValueError: tp > 1 without a plan, ep > 1, checkpointing without blocks, a bad plan.
+        ValueError: tp > 1 without a plan, ep > 1 without MoE layers (or ``num_experts`` not
+            divisible by ep), checkpointing without blocks, a bad plan.
     """
     device = device or next(model.parameters()).device
     model_parallel = dims.tp > 1 or pipeline_stage
@@ -128,9 +134,12 @@ def parallelize(
         apply_tp_plan(model, dims.mesh["tp"], tp_plan, strict=strict_plan)
     elif dims.tp > 1:
         raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan (tp_plan=TPPlan(...))")
-    # 2. expert parallelism: the MoE layers' slot
+    # 2. expert parallelism
+    experts: list[str] = []
     if dims.ep > 1:
-        raise ValueError(f"ep={dims.ep}: expert parallelism is not built yet; use ep=1")
+        apply_ep(model, dims.mesh["ep"])
+        local = {id(p) for p in expert_parameters(model)}
+        experts = [n for n, p in model.named_parameters() if id(p) in local]
     # 3. activation checkpointing
     if config.checkpoint_every:
         _, container = find_blocks(model, blocks)
@@ -153,9 +162,11 @@ def parallelize(
         )
     if config.param_dtype != "fp32":  # DDP has no public mixed precision: autocast
         apply_autocast(model, dtype=config.param_dtype, device_type=device.type)
-    if model_parallel or dims.dp == 1:
+    if model_parallel or dims.data_degree == 1:
         return model
-    group = None if dims.dp == dims.world_size else dims.group("dp")
+    if experts:  # each ep rank holds other experts: DDP must neither broadcast nor average them
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+    group = None if dims.data_degree == dims.world_size else dims.data_group()
     return apply_ddp(model, process_group=group, options=ddp_options(config))
 
 

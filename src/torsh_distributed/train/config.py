@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torsh_distributed.data.config import DataConfig
 from torsh_distributed.engine.config import OPTIMIZERS, EngineConfig, OptimConfig
-from torsh_distributed.models.config import ModelConfig
+from torsh_distributed.models.config import ModelConfig, MoESection
 
 __all__ = [
     "ModelConfig",
@@ -33,6 +33,8 @@ class TrainConfig(EngineConfig):
     """Model shape."""
     data: DataConfig = field(default_factory=DataConfig)
     """Corpus selection."""
+    moe: MoESection = field(default_factory=MoESection)
+    """Mixture-of-Experts blocks (--moe.num-experts E --moe.top-k K, with --ep N)."""
 
 
 def tiny() -> TrainConfig:

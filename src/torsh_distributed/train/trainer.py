@@ -30,6 +30,11 @@ def gpt_engine(config: TrainConfig) -> Engine:
     """
     model, par = config.model, config.parallel
     if par.tp > 1:
+        if config.moe.enabled:
+            raise ValueError(
+                "moe.num_experts > 0 with parallel.tp > 1 is not built yet (the GPT's TP plan "
+                "shards the dense MLP); use --ep for the experts"
+            )
         check_gpt_tp(model, tp=par.tp, sequence_parallel=par.sequence_parallel)
     corpus = load_corpus(config.data, min_tokens=model.block_size + 2)
     every = par.checkpoint_every
@@ -47,7 +52,7 @@ def gpt_engine(config: TrainConfig) -> Engine:
         )
 
     return Engine(
-        lambda: GPT(model),
+        lambda: GPT(model, moe=config.moe),
         dataset=TokenWindows(corpus.train, model.block_size),
         val_dataset=TokenWindows(corpus.val, model.block_size),
         config=config,
@@ -61,7 +66,11 @@ def gpt_engine(config: TrainConfig) -> Engine:
         blocks="blocks",
         tokens_per_sample=model.block_size,
         activation_bytes=activations,
-        settings={"model": dataclasses.asdict(model), "data": dataclasses.asdict(config.data)},
+        settings={
+            "model": dataclasses.asdict(model),
+            "data": dataclasses.asdict(config.data),
+            "moe": dataclasses.asdict(config.moe),
+        },
         describe=(
             f" x {model.block_size} tokens, corpus {corpus.train.numel() / 1e6:.2f}M train / "
             f"{corpus.val.numel() / 1e6:.2f}M val bytes from {corpus.num_files} files"

@@ -24,6 +24,7 @@ from torsh_distributed.checkpoint import faults
 from torsh_distributed.checkpoint.config import CheckpointConfig
 from torsh_distributed.checkpoint.manager import CheckpointManager
 from torsh_distributed.checkpoint.resume import check_data_position, data_position
+from torsh_distributed.data.sampler import GlobalSampler, check_sampler_state
 from torsh_distributed.runtime import world
 
 __all__ = ["RunCheckpoint", "settings_hash", "computation_settings"]
@@ -53,8 +54,9 @@ class RunCheckpoint:
         seed: The run's seed (part of the data position).
         batch_size: The global batch (part of the data position).
         max_steps: The run's last step (no periodic save there: the final save covers it).
-        settings: The settings that change the computation; a checkpoint written under other
-            settings is refused on resume (their hash is stored).
+        settings: The settings that change the computation; their hash is stored, and resuming
+            a checkpoint written under other settings warns (the data position, sampler and
+            seed are checked strictly).
         model: The wrapped model the loop trains (DDP or sharded).
         optimizer: Its optimizer.
         num_samples: Size of the training set (for the nominal epoch).
@@ -66,6 +68,8 @@ class RunCheckpoint:
             world size is unchanged (a resharded run starts them afresh and says so).
         layout: Tensor layout DCP cannot convert (see :class:`CheckpointManager`); a checkpoint
             saved with another one is refused on resume.
+        sampler: The training sampler; its settings (kind, dataset size, seed, global batch)
+            are saved, and a resume under other settings is refused (the data would not continue).
     """
 
     def __init__(
@@ -83,8 +87,10 @@ class RunCheckpoint:
         json_state: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
         layout: Mapping[str, Any] | None = None,
+        sampler: GlobalSampler | None = None,
     ) -> None:
         self.seed, self.batch_size, self.max_steps = seed, batch_size, max_steps
+        self.sampler = sampler
         self.json_state = dict(json_state or {})
         self.rank_state = {k: v for k, v in (rank_state or {}).items() if v is not None}
         self.section = section
@@ -127,6 +133,19 @@ class RunCheckpoint:
         step = check_data_position(
             extra.get("data", {}), seed=self.seed, batch_size=self.batch_size
         )
+        if self.sampler is not None and "sampler" in extra:
+            try:
+                check_sampler_state(self.sampler, extra["sampler"])
+            except ValueError as exc:
+                raise ValueError(
+                    f"checkpoint {loaded.path}: the data would not continue: {exc}; run with the "
+                    "same data settings, or --resume never"
+                ) from None
+        if step > self.max_steps:
+            raise ValueError(
+                f"checkpoint {loaded.path} is at step {step}, beyond max_steps {self.max_steps}; "
+                "raise --max-steps to continue it, or start afresh with --resume never"
+            )
         losses = [float(x) for x in extra.get("losses", [])][:step]
         for name, obj in self.json_state.items():
             if name in extra.get("state", {}):
@@ -184,6 +203,7 @@ class RunCheckpoint:
                 ),
                 "losses": losses,
                 "state": {name: obj.state_dict() for name, obj in self.json_state.items()},
+                **({"sampler": self.sampler.state_dict()} if self.sampler is not None else {}),
             },
             rank_tensors={name: obj.state_dict() for name, obj in self.rank_state.items()},
             metric=sum(tail) / len(tail) if tail else None,
@@ -216,6 +236,11 @@ class RunCheckpoint:
                 f"blocked {self.manager.total_stall_s:.3f} s in total "
                 f"({'async' if self.section.async_save else 'sync'})"
             )
+
+    def close(self) -> None:
+        """Wait for a pending asynchronous save (idempotent; the error path)."""
+        if self.manager is not None:
+            self.manager.close()
 
     def summary(self) -> dict[str, Any]:
         """Checkpoint figures for the run summary."""

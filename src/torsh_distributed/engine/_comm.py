@@ -103,6 +103,13 @@ class CommSetup:
         if config.trace:
             profiler.enable()
 
+    def close(self) -> None:
+        """Leave debug mode and stop recording (idempotent; no collective: the error path)."""
+        if self.config.trace and profiler.active() is not None:
+            profiler.disable()
+        if self.config.debug:
+            debug.disable()
+
     def finish(self, *, main: bool) -> None:
         """Write the merged trace (collective) and print the rank-0 summary; stop debug mode."""
         if self.config.trace:

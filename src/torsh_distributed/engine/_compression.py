@@ -72,6 +72,7 @@ class GradCompression:
         self.hook: CompressionHook | None = None
         self._dense_bytes = 0
         self._dense_steps = 0
+        self._handles: list[Any] = []
 
     def attach(
         self, model: nn.Module, base: nn.Module, *, prime: Callable[[], torch.Tensor]
@@ -170,7 +171,13 @@ class GradCompression:
             ):
                 self._dense_steps += 1
 
-        base.register_forward_hook(_count)
+        self._handles.append(base.register_forward_hook(_count))
+
+    def close(self) -> None:
+        """Remove the hooks this object put on the user's model (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     @property
     def stateful(self) -> CompressionHook | None:

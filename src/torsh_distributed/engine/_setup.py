@@ -15,14 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.parallel.blocks import find_blocks
 from torsh_distributed.parallel.moe import moe_layers
 from torsh_distributed.parallel.parallelize import (
+    check_init_coverage,
     check_world,
     materialize,
     materialize_first,
@@ -33,6 +36,7 @@ from torsh_distributed.parallel.pipeline import (
     build_pipeline,
     check_pipeline,
     check_split_points,
+    stage_ids,
 )
 from torsh_distributed.parallel.tp_plan import TPPlan, resolve_tp_plan
 
@@ -111,6 +115,12 @@ def plan_run(
         )
     elif par.virtual_stages != 1:
         raise ValueError(f"parallel.virtual_stages={par.virtual_stages} needs parallel.pp > 1")
+    if par.meta_init and dims.tp > 1 and device_type == "cpu":
+        raise ValueError(
+            "parallel.meta_init with tp > 1 needs DTensor's distributed random numbers, which "
+            "CPU meshes lack (every tensor-parallel shard would get the same draw); build the "
+            "model on the device (no meta_init) or run on CUDA"
+        )
     plan: TPPlan | None = None
     if dims.tp > 1:
         if tp_plan is None:
@@ -132,6 +142,8 @@ def check_model(model: nn.Module, config: EngineConfig, run: RunPlan) -> None:
     dims = run.dims
     if run.tp_plan is not None:
         resolve_tp_plan(model, run.tp_plan, dims.tp)  # raises on a bad plan
+    if config.parallel.meta_init:
+        check_init_coverage(model)
     layers = list(moe_layers(model))
     if dims.ep > 1:
         if not layers:
@@ -225,11 +237,30 @@ def build_model(
     par, dims = config.parallel, run.dims
     num_params = sum(p.numel() for p in model.parameters())
     order = param_order(model)
+    if dims.pp > 1 and blocks is None:  # resolve once: a pruned stage may look otherwise
+        try:
+            blocks = find_blocks(model)[0]
+        except ValueError:
+            blocks = None
+    if not meta and run.model_parallel and dims.world_size > 1:
+        # DDP broadcasts rank 0's weights when it wraps; tp/pp runs have no DDP: the same here
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+    pp_rank = dims.mesh["pp"].get_local_rank()
+    stages = iter(stage_ids(pp_rank, pp=dims.pp, virtual_stages=par.virtual_stages))
+
+    def init_seed(stage: int) -> int:
+        # stages hold different layers, and (without DTensor random on CPU) FSDP shards need
+        # their own draws: one seed per (stage, dp shard)
+        shard_rank = dims.mesh["dp"].get_local_rank() if par.zero_stage >= 2 else 0
+        return config.seed + 7919 * stage + 104729 * shard_rank
 
     def shard(module: nn.Module, *, stage: bool) -> nn.Module:
+        seed = init_seed(next(stages) if stage else 0)
         first = meta and materialize_first(par, model_parallel=run.model_parallel)
         if first:
-            materialize(module, device, seed=config.seed)
+            materialize(module, device, seed=seed)
         out = parallelize(
             module,
             dims,
@@ -241,7 +272,7 @@ def build_model(
             device=device,
         )
         if meta and not first:
-            materialize(module, device, seed=config.seed)
+            materialize(module, device, seed=seed)
         return out
 
     if not meta:

@@ -35,9 +35,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -87,7 +90,16 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of class scores ``(..., C)`` against class indices ``(...)``."""
+    """Mean cross-entropy of class scores ``(..., C)`` against class indices ``(...)``.
+
+    Raises:
+        TypeError: the model's output is not a tensor (pass ``loss_fn`` for other outputs).
+    """
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"the default loss (cross-entropy) needs the model to return a tensor of class "
+            f"scores, got {type(output).__name__}; pass loss_fn=... (--loss) for other outputs"
+        )
     if output.dim() > 2:
         return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
     return F.cross_entropy(output, target)
@@ -165,6 +177,18 @@ class Engine:
         self.activation_bytes = activation_bytes
         self.settings = dict(settings or {})
         self.name, self.describe = name, describe
+        optim = self.config.optim
+        if optimizer is not None and dataclasses.replace(optim, grad_clip=1.0) != type(optim)():
+            warnings.warn(
+                "the optim section (lr, schedule, weight decay, optimizer) is ignored: the "
+                "optimizer factory and lr_scheduler given to the engine decide (grad_clip applies)",
+                stacklevel=2,
+            )
+        if val_dataset is None and self.config.eval_every:
+            warnings.warn(
+                f"eval_every={self.config.eval_every} is ignored: no val_dataset to evaluate on",
+                stacklevel=2,
+            )
         self.train_sampler = self._sampler(len(dataset), "dataset")
         self.val_sampler = (
             self._sampler(len(val_dataset), "val_dataset") if val_dataset is not None else None
@@ -213,249 +237,264 @@ class Engine:
             nodes=node_assignment(cfg.comm),
         )
         dims = run.dims
-        compression = GradCompression(
-            cfg.compression, zero_stage=par.zero_stage, algorithm=cfg.comm.algorithm, seed=cfg.seed
-        )
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // world.local_world_size())
-        torch.set_num_threads(threads)
-        memory = MemoryReport(  # RSS now = the process baseline
-            zero_stage=par.zero_stage,
-            dp=dims.dp,
-            optimizer=planner_optimizer(cfg.optim) if self.optimizer_factory is None else "",
-            weight_decay=cfg.optim.weight_decay > 0,
-            param_dtype=par.param_dtype,
-            activations=(lambda: self.activation_bytes(run.per_dp)) if self.activation_bytes else None,
-            predict=not run.model_parallel,
-        )
-        model = S.instantiate(self.model_source, seed=cfg.seed, meta=par.meta_init)
-        S.check_model(model, cfg, run)
-        dims.build()
-        loss_fn = self.loss_fn
-        if par.param_dtype != "fp32" and par.zero_stage <= 1:  # the loss under the forward's autocast
-            dtype = torch.bfloat16 if par.param_dtype == "bf16" else torch.float16
-            loss_fn = torch.autocast(device.type, dtype=dtype)(self.loss_fn)
-        built = S.build_model(
-            model, cfg, run, device=device, loss_fn=loss_fn, blocks=self.blocks, meta=par.meta_init
-        )
-        del model
-        params = built.params
-        optimizer = self._optimizer(built.holder)
-        fsdp = par.zero_stage >= 2
-        if dims.tp > 1 and not fsdp:  # foreach kernels reject lists mixing DTensor and plain tensors
-            for group in optimizer.param_groups:
-                group["foreach"] = False
-        dp_group = None if dims.dp == dims.world_size else dims.group("dp")
-        optimizer = shard_optimizer(optimizer, stage=par.zero_stage, process_group=dp_group)
-        moe = MoEHooks(built.holder, dims)  # aux losses, expert gradients, balancing, load
-        scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory else None
-        scaler = LossScaler.from_config(par, device=device)  # fp16: dynamic loss scaling
-        flat_sync = run.model_parallel and not fsdp and dims.dp > 1
-        if run.model_parallel:
-            compression.attach_flat(
-                dims.group("dp") if flat_sync else None,
-                positions={
-                    id(p): built.order.get(S.clean_name(n), -1)
-                    for n, p in built.state_module.named_parameters()
-                },
+        with contextlib.ExitStack() as stack:  # hooks, servers, saves released on errors too
+            compression = GradCompression(
+                cfg.compression, zero_stage=par.zero_stage, algorithm=cfg.comm.algorithm, seed=cfg.seed
             )
-        else:
-            x0, y0 = S.to_device(self._fetch(self.dataset, [0]), device)
-            compression.attach(
-                built.forward, built.holder, prime=lambda: loss_fn(built.forward(x0), y0)
+            stack.callback(compression.close)
+            threads = cfg.threads or max(1, (os.cpu_count() or 1) // world.local_world_size())
+            torch.set_num_threads(threads)
+            memory = MemoryReport(  # RSS now = the process baseline
+                zero_stage=par.zero_stage,
+                dp=dims.dp,
+                optimizer=planner_optimizer(cfg.optim) if self.optimizer_factory is None else "",
+                weight_decay=cfg.optim.weight_decay > 0,
+                param_dtype=par.param_dtype,
+                activations=(lambda: self.activation_bytes(run.per_dp)) if self.activation_bytes else None,
+                predict=not run.model_parallel,
             )
-        comm = CommSetup(
-            cfg.comm,
-            built.forward if built.forward is not None else built.holder,
-            dims=dims,
-            compressed=compression.hook is not None,
-            wrapped=not run.model_parallel,
-        )
-        ckpt = RunCheckpoint(
-            cfg.checkpoint,
-            seed=cfg.seed,
-            batch_size=cfg.batch_size,
-            max_steps=cfg.max_steps,
-            settings=computation_settings(cfg, self.settings),
-            model=built.state_module,
-            optimizer=optimizer,
-            num_samples=len(self.dataset),
-            json_state={"loss_scaler": scaler, **({"lr_scheduler": scheduler} if scheduler else {})},
-            rank_state={"compression": compression.stateful},
-            layout={"tp": dims.tp} if run.tp_plan is not None and run.tp_plan.prepare else None,
-        )
-        start_step, losses = ckpt.resume()
-        if runtime.is_main:
-            layout = f"dp {dims.dp} x tp {dims.tp} x pp {dims.pp}"
-            if dims.pp > 1:
-                layout += f" ({par.pp_schedule}, {par.num_microbatches} micro-batches)"
-            print(
-                f"torsh-dist {self.name}: {built.num_params / 1e6:.2f}M params, world size "
-                f"{runtime.world_size} ({runtime.backend}) = {layout}, global batch "
-                f"{cfg.batch_size} ({run.per_dp}/dp rank){self.describe}",
-                flush=True,
+            model = S.instantiate(self.model_source, seed=cfg.seed, meta=par.meta_init)
+            S.check_model(model, cfg, run)
+            dims.build()
+            loss_fn = self.loss_fn
+            if par.param_dtype != "fp32" and par.zero_stage <= 1:  # the loss under the forward's autocast
+                dtype = torch.bfloat16 if par.param_dtype == "bf16" else torch.float16
+                loss_fn = torch.autocast(device.type, dtype=dtype)(self.loss_fn)
+            built = S.build_model(
+                model, cfg, run, device=device, loss_fn=loss_fn, blocks=self.blocks, meta=par.meta_init
             )
-        progress = Progress(
-            total=cfg.max_steps, enabled=runtime.is_main and cfg.progress, desc=self.name
-        )
-        write = progress.write if cfg.progress else print
-        dp_rank, dp_size = dims.data_rank(), dims.data_degree  # the batch splits over dp x ep
-        pp_rank = dims.mesh["pp"].get_local_rank()
-        # one rank per data-parallel replica counts its samples (the job's rate is the ranks' sum)
-        counts = dims.mesh["tp"].get_local_rank() == 0 and pp_rank == dims.pp - 1
-        monitor = StepMonitor(
-            cfg.monitor,
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-            local_world_size=world.local_world_size(),
-            device=device,
-            max_steps=cfg.max_steps,
-            samples_per_step=run.per_dp if counts else 0,
-            tokens_per_step=run.per_dp * self.tokens_per_sample if counts else 0,
-            params=params,
-            custom_metrics=moe.metric_names,
-            echo=progress.write if cfg.progress else None,
-        )
+            del model
+            params = built.params
+            optimizer = self._optimizer(built.holder)
+            fsdp = par.zero_stage >= 2
+            if dims.tp > 1 and not fsdp:  # foreach kernels reject lists mixing DTensor and plain tensors
+                for group in optimizer.param_groups:
+                    group["foreach"] = False
+            dp_group = None if dims.dp == dims.world_size else dims.group("dp")
+            optimizer = shard_optimizer(optimizer, stage=par.zero_stage, process_group=dp_group)
+            moe = MoEHooks(built.holder, dims)  # aux losses, expert gradients, balancing, load
+            scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory else None
+            scaler = LossScaler.from_config(par, device=device)  # fp16: dynamic loss scaling
+            flat_sync = run.model_parallel and not fsdp and dims.dp > 1
+            if run.model_parallel:
+                compression.attach_flat(
+                    dims.group("dp") if flat_sync else None,
+                    positions={
+                        id(p): built.order.get(S.clean_name(n), -1)
+                        for n, p in built.state_module.named_parameters()
+                    },
+                )
+            else:  # prime DDP's buckets on this rank's first batch; leave buffers as they were
+                x0, y0 = self._batch(
+                    self.dataset, self.train_sampler, 0, dims.data_rank(), dims.data_degree, device
+                )
+                saved = [b.detach().clone() for b in built.holder.buffers()]
+                compression.attach(
+                    built.forward, built.holder, prime=lambda: loss_fn(built.forward(x0), y0)
+                )
+                with torch.no_grad():
+                    for b, v in zip(built.holder.buffers(), saved, strict=True):
+                        b.copy_(v)
+            comm = CommSetup(
+                cfg.comm,
+                built.forward if built.forward is not None else built.holder,
+                dims=dims,
+                compressed=compression.hook is not None,
+                wrapped=not run.model_parallel,
+            )
+            stack.callback(comm.close)
+            ckpt = RunCheckpoint(
+                cfg.checkpoint,
+                seed=cfg.seed,
+                batch_size=cfg.batch_size,
+                max_steps=cfg.max_steps,
+                settings=computation_settings(cfg, self.settings),
+                model=built.state_module,
+                optimizer=optimizer,
+                num_samples=len(self.dataset),
+                json_state={"loss_scaler": scaler, **({"lr_scheduler": scheduler} if scheduler else {})},
+                rank_state={"compression": compression.stateful},
+                layout={"tp": dims.tp} if run.tp_plan is not None and run.tp_plan.prepare else None,
+                sampler=self.train_sampler,
+            )
+            stack.callback(ckpt.close)
+            start_step, losses = ckpt.resume()
+            if runtime.is_main:
+                layout = f"dp {dims.dp} x tp {dims.tp} x pp {dims.pp}"
+                if dims.pp > 1:
+                    layout += f" ({par.pp_schedule}, {par.num_microbatches} micro-batches)"
+                print(
+                    f"torsh-dist {self.name}: {built.num_params / 1e6:.2f}M params, world size "
+                    f"{runtime.world_size} ({runtime.backend}) = {layout}, global batch "
+                    f"{cfg.batch_size} ({run.per_dp}/dp rank){self.describe}",
+                    flush=True,
+                )
+            progress = Progress(
+                total=cfg.max_steps, enabled=runtime.is_main and cfg.progress, desc=self.name
+            )
+            write = progress.write if cfg.progress else print
+            dp_rank, dp_size = dims.data_rank(), dims.data_degree  # the batch splits over dp x ep
+            pp_rank = dims.mesh["pp"].get_local_rank()
+            # one rank per data-parallel replica counts its samples (the job's rate is the ranks' sum)
+            counts = dims.mesh["tp"].get_local_rank() == 0 and pp_rank == dims.pp - 1
+            monitor = StepMonitor(
+                cfg.monitor,
+                rank=runtime.rank,
+                world_size=runtime.world_size,
+                local_world_size=world.local_world_size(),
+                device=device,
+                max_steps=cfg.max_steps,
+                samples_per_step=run.per_dp if counts else 0,
+                tokens_per_step=run.per_dp * self.tokens_per_sample if counts else 0,
+                params=params,
+                custom_metrics=moe.metric_names,
+                echo=progress.write if cfg.progress else None,
+            )
+            stack.callback(monitor.close)
+            stack.callback(progress.close)
 
-        def global_mean(local: torch.Tensor | None) -> torch.Tensor:
-            # every tp rank of the last stage holds the same loss; the dp ranks hold their own
-            value = torch.zeros((), device=device) if local is None else S.full(local.detach())
-            if runtime.world_size > 1:
-                value = value.clone()
-                dist.all_reduce(value)
-            return value / (dims.data_degree * dims.tp)
+            def global_mean(local: torch.Tensor | None) -> torch.Tensor:
+                # every tp rank of the last stage holds the same loss; the dp ranks hold their own
+                value = torch.zeros((), device=device) if local is None else S.full(local.detach())
+                if runtime.world_size > 1:
+                    value = value.clone()
+                    dist.all_reduce(value)
+                return value / (dims.data_degree * dims.tp)
 
-        def train_step(x: Any, y: Any) -> torch.Tensor | None:
-            if built.pipe is not None:
-                return built.pipe.step(x, y)
-            model = built.forward
-            assert model is not None
-            with S.loss_context(run):
-                if cfg.grad_accum == 1:
-                    loss = moe.add_losses(loss_fn(model(x), y))
-                    monitor.phase("forward")
-                    scaler.backward(loss)  # loss.backward(), scaled for fp16
-                    return loss
-                # forward and backward interleave: both count as "backward" in the monitor
-                return self._accumulate(model, moe.wrap(loss_fn), scaler, x, y, cfg.grad_accum)
+            def train_step(x: Any, y: Any) -> torch.Tensor | None:
+                if built.pipe is not None:
+                    return built.pipe.step(x, y)
+                model = built.forward
+                assert model is not None
+                with S.loss_context(run):
+                    if cfg.grad_accum == 1:
+                        loss = moe.add_losses(loss_fn(model(x), y))
+                        monitor.phase("forward")
+                        scaler.backward(loss)  # loss.backward(), scaled for fp16
+                        return loss
+                    # forward and backward interleave: both count as "backward" in the monitor
+                    return self._accumulate(model, moe.wrap(loss_fn), scaler, x, y, cfg.grad_accum)
 
-        def evaluate() -> float:
-            if self.val_sampler is None:
-                return float("nan")
-            holder = built.holder
-            holder.eval()
-            if built.forward is not None:
-                built.forward.eval()
-            total = torch.zeros((), device=device)
-            with torch.no_grad():
-                for i in range(cfg.eval_batches):
-                    step = EVAL_STEP_BASE + i if self.sampler_kind == "replacement" else i
-                    x, y = self._batch(self.val_dataset, self.val_sampler, step, dp_rank, dp_size, device)
-                    if built.pipe is not None:
-                        local = built.pipe.evaluate(x, y)
+            def evaluate() -> float:
+                if self.val_sampler is None:
+                    return float("nan")
+                holder = built.holder
+                holder.eval()
+                if built.forward is not None:
+                    built.forward.eval()
+                total = torch.zeros((), device=device)
+                with torch.no_grad():
+                    for i in range(cfg.eval_batches):
+                        step = EVAL_STEP_BASE + i if self.sampler_kind == "replacement" else i
+                        x, y = self._batch(self.val_dataset, self.val_sampler, step, dp_rank, dp_size, device)
+                        if built.pipe is not None:
+                            local = built.pipe.evaluate(x, y)
+                        else:
+                            with S.loss_context(run):
+                                local = S.full(loss_fn(built.forward(x), y))  # type: ignore[misc]
+                        if local is not None:
+                            total += local.detach()
+                holder.train()
+                if built.forward is not None:
+                    built.forward.train()
+                return float(global_mean(total / cfg.eval_batches))
+
+            val_loss = float("nan")
+            loop_time = 0.0
+            for step in range(start_step, cfg.max_steps):
+                t0 = time.perf_counter()
+                monitor.step_begin(step)
+                lr = self._set_lr(optimizer, step)
+                x, y = self._batch(self.dataset, self.train_sampler, step, dp_rank, dp_size, device)
+                monitor.phase("data")
+                optimizer.zero_grad(set_to_none=True)
+                loss = train_step(x, y)
+                monitor.phase("backward")
+                if dims.tp > 1:  # sequence-parallel norms' Partial gradients: one all-reduce over tp
+                    reduce_partial_grads(params)
+                moe.reduce_expert_grads()  # ep > 1: sum over the experts' dp group, / (dp * ep)
+                if flat_sync:  # dp exchange of a model-parallel run (FSDP2 and DDP do their own)
+                    reduce = compression.reduce_flat if compression.hook is not None else None
+                    sync_grads(params, dims.group("dp"), dims.dp, reduce=reduce)
+                    if reduce is not None and dims.tp > 1:  # compression saw other shards per tp rank
+                        average_replicated_grads(params, dims.group("tp"), dims.tp)
+                    monitor.phase("comm_wait")
+                grad_norm = None  # reported by --monitor when clipping computes it
+                scaler.unscale(optimizer)  # fp16: true gradients before clipping
+                if cfg.optim.grad_clip:
+                    if moe.experts:
+                        grad_norm = moe.clip(params, cfg.optim.grad_clip)
+                    elif run.model_parallel:
+                        pp_group = dims.group("pp") if dims.pp > 1 else None
+                        grad_norm = clip_grad_norm_(params, cfg.optim.grad_clip, pp_group=pp_group)
                     else:
-                        with S.loss_context(run):
-                            local = S.full(loss_fn(built.forward(x), y))  # type: ignore[misc]
-                    if local is not None:
-                        total += local.detach()
-            holder.train()
-            if built.forward is not None:
-                built.forward.train()
-            return float(global_mean(total / cfg.eval_batches))
-
-        val_loss = float("nan")
-        loop_time = 0.0
-        for step in range(start_step, cfg.max_steps):
-            t0 = time.perf_counter()
-            monitor.step_begin(step)
-            lr = self._set_lr(optimizer, step)
-            x, y = self._batch(self.dataset, self.train_sampler, step, dp_rank, dp_size, device)
-            monitor.phase("data")
-            optimizer.zero_grad(set_to_none=True)
-            loss = train_step(x, y)
-            monitor.phase("backward")
-            if dims.tp > 1:  # sequence-parallel norms' Partial gradients: one all-reduce over tp
-                reduce_partial_grads(params)
-            moe.reduce_expert_grads()  # ep > 1: sum over the experts' dp group, / (dp * ep)
-            if flat_sync:  # dp exchange of a model-parallel run (FSDP2 and DDP do their own)
-                reduce = compression.reduce_flat if compression.hook is not None else None
-                sync_grads(params, dims.group("dp"), dims.dp, reduce=reduce)
-                if reduce is not None and dims.tp > 1:  # compression saw other shards per tp rank
-                    average_replicated_grads(params, dims.group("tp"), dims.tp)
-                monitor.phase("comm_wait")
-            grad_norm = None  # reported by --monitor when clipping computes it
-            scaler.unscale(optimizer)  # fp16: true gradients before clipping
-            if cfg.optim.grad_clip:
-                if moe.experts:
-                    grad_norm = moe.clip(params, cfg.optim.grad_clip)
-                elif run.model_parallel:
-                    pp_group = dims.group("pp") if dims.pp > 1 else None
-                    grad_norm = clip_grad_norm_(params, cfg.optim.grad_clip, pp_group=pp_group)
-                else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-            scaler.step(optimizer)  # fp16: skipped on every rank if a gradient overflowed
-            if scheduler is not None:
-                scheduler.step()
-            moe.after_step(monitor)  # bias balancing (load summed over dp x ep), load statistics
-            monitor.phase("optimizer")
-            memory.after_step(built.holder, optimizer, main=runtime.is_main, write=write)
-            global_loss = float(global_mean(loss))
-            if not math.isfinite(global_loss):
-                raise FloatingPointError(
-                    f"loss became {global_loss} at step {step + 1}; lower the learning rate "
-                    f"(--lr, now {cfg.optim.lr})"
-                )
-            losses.append(global_loss)
-            compression.observe_loss(global_loss)
-            monitor.step_end(step + 1, loss=global_loss, lr=lr, grad_norm=grad_norm)
-            loop_time += time.perf_counter() - t0
-            ckpt.step_end(step + 1, losses)  # save if due
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
-                val_loss = evaluate()
-                progress.write(f"step {step + 1}: val loss {val_loss:.4f}")
-            if (step + 1) % cfg.log_every == 0 or step == start_step or step + 1 == cfg.max_steps:
-                rate = cfg.batch_size * (step + 1 - start_step) / loop_time
-                fields: dict[str, Any] = (
-                    {"tok_s": rate * self.tokens_per_sample}
-                    if self.tokens_per_sample
-                    else {"smp_s": f"{rate:.1f}"}
-                )
-                fields.update(monitor.postfix())  # the job's samples/s and the slowest rank
-                progress.update_to(step + 1, loss=global_loss, **fields)
-        progress.close()
-        monitor_report = monitor.finish()  # last aggregation (collective), bottleneck report
-        ckpt.finish(cfg.max_steps, losses)  # final save, wait for async saves
-        comm.finish(main=runtime.is_main)  # merged Chrome trace on rank 0
-        val_loss = evaluate()
-        if not losses:
-            raise ValueError(f"nothing to train: the run is at step {start_step} of {cfg.max_steps}")
-        tail = losses[-min(10, len(losses)) :]
-        steps_here = len(losses) - start_step
-        samples_per_s = cfg.batch_size * steps_here / loop_time if loop_time else 0.0
-        result = TrainResult(
-            steps=len(losses),
-            losses=losses,
-            initial_loss=losses[0],
-            final_loss=sum(tail) / len(tail),
-            val_loss=val_loss,
-            samples_per_s=samples_per_s,
-            tokens_per_s=samples_per_s * self.tokens_per_sample,
-            world_size=runtime.world_size,
-            wall_time_s=time.perf_counter() - started,
-            num_params=built.num_params,
-            backend=runtime.backend,
-            layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
-            memory=memory.summary(),
-            compression=compression.summary(),
-            monitor=monitor_report,
-            checkpoint=ckpt.summary(),
-            precision=scaler.summary(),
-            moe=moe.summary(),
-        )
-        if runtime.is_main:
-            print_summary(result)
-            if cfg.summary_json:
-                write_json_atomic(cfg.summary_json, result.summary())
-        return result
+                        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+                scaler.step(optimizer)  # fp16: skipped on every rank if a gradient overflowed
+                if scheduler is not None:
+                    scheduler.step()
+                moe.after_step(monitor)  # bias balancing (load summed over dp x ep), load statistics
+                monitor.phase("optimizer")
+                memory.after_step(built.holder, optimizer, main=runtime.is_main, write=write)
+                global_loss = float(global_mean(loss))
+                if not math.isfinite(global_loss):
+                    lr_note = f" (--lr, now {cfg.optim.lr})" if self.optimizer_factory is None else ""
+                    raise FloatingPointError(
+                        f"loss became {global_loss} at step {step + 1}; lower the learning "
+                        f"rate{lr_note}"
+                    )
+                losses.append(global_loss)
+                compression.observe_loss(global_loss)
+                monitor.step_end(step + 1, loss=global_loss, lr=lr, grad_norm=grad_norm)
+                loop_time += time.perf_counter() - t0
+                ckpt.step_end(step + 1, losses)  # save if due
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
+                    val_loss = evaluate()
+                    if runtime.is_main:
+                        write(f"step {step + 1}: val loss {val_loss:.4f}")
+                if (step + 1) % cfg.log_every == 0 or step == start_step or step + 1 == cfg.max_steps:
+                    rate = cfg.batch_size * (step + 1 - start_step) / loop_time
+                    fields: dict[str, Any] = (
+                        {"tok_s": rate * self.tokens_per_sample}
+                        if self.tokens_per_sample
+                        else {"smp_s": f"{rate:.1f}"}
+                    )
+                    fields.update(monitor.postfix())  # the job's samples/s and the slowest rank
+                    progress.update_to(step + 1, loss=global_loss, **fields)
+            progress.close()
+            monitor_report = monitor.finish()  # last aggregation (collective), bottleneck report
+            ckpt.finish(cfg.max_steps, losses)  # final save, wait for async saves
+            comm.finish(main=runtime.is_main)  # merged Chrome trace on rank 0
+            val_loss = evaluate()
+            if not losses:
+                raise ValueError(f"nothing to train: the run is at step {start_step} of {cfg.max_steps}")
+            tail = losses[-min(10, len(losses)) :]
+            steps_here = len(losses) - start_step
+            samples_per_s = cfg.batch_size * steps_here / loop_time if loop_time else 0.0
+            result = TrainResult(
+                steps=len(losses),
+                losses=losses,
+                initial_loss=losses[0],
+                final_loss=sum(tail) / len(tail),
+                val_loss=val_loss,
+                samples_per_s=samples_per_s,
+                tokens_per_s=samples_per_s * self.tokens_per_sample,
+                world_size=runtime.world_size,
+                wall_time_s=time.perf_counter() - started,
+                num_params=built.num_params,
+                backend=runtime.backend,
+                layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
+                memory=memory.summary(),
+                compression=compression.summary(),
+                monitor=monitor_report,
+                checkpoint=ckpt.summary(),
+                precision=scaler.summary(),
+                moe=moe.summary(),
+            )
+            if runtime.is_main:
+                print_summary(result)
+                if cfg.summary_json:
+                    write_json_atomic(cfg.summary_json, result.summary())
+            return result
 
     # --- pieces of the step ----------------------------------------------------------------
 
@@ -511,6 +550,11 @@ class Engine:
     ) -> torch.Tensor:
         """Forward/backward ``parts`` equal micro-batches, exchanging gradients only after the
         last; returns the mean loss (the loss of the whole batch)."""
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            raise ValueError(
+                f"grad_accum {parts} splits the batch into micro-batches and needs tensor inputs "
+                f"and targets, got {type(x).__name__} and {type(y).__name__}; use grad_accum 1"
+            )
         total = torch.zeros((), device=x.device)
         for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
             if i < parts - 1:

@@ -13,6 +13,7 @@ reported before any rank starts.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -27,6 +28,7 @@ from torch import nn
 
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.engine import Engine
+from torsh_distributed.parallel.parallelize import check_init_coverage
 from torsh_distributed.parallel.pipeline import check_split_points
 from torsh_distributed.parallel.tp_plan import TPPlan, resolve_tp_plan
 
@@ -47,7 +49,8 @@ def load_object(spec: str, *, what: str) -> Any:
             path = Path(module_name)
             if not path.is_file():
                 raise FileNotFoundError(f"no such file {path}")
-            name = f"_torsh_user_{path.stem}"
+            digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+            name = f"_torsh_user_{path.stem}_{digest}"  # two files of one name stay apart
             module = sys.modules.get(name)
             if module is None:
                 loader = importlib.util.spec_from_file_location(name, path)
@@ -170,6 +173,8 @@ class UserFactories:
             raise ValueError("--tp-plan is given but --tp is 1")
         if par.pp > 1:
             check_split_points(model, par.split_points, num_stages=par.pp * par.virtual_stages)
+        if par.meta_init:
+            check_init_coverage(model)
 
     def engine(self, config: EngineConfig) -> Engine:
         """The engine for this run (on a rank: the factories are called here)."""

@@ -200,6 +200,16 @@ class ParallelConfig:
         if self.first_bucket_mb < 0:
             raise ValueError(f"parallel.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")
         self._warn_ddp_options()
+        if self.pp == 1 and (self.microbatches or self.pp_schedule != "1f1b"):
+            warnings.warn(
+                "parallel.microbatches/pp_schedule are ignored with pp 1 (no pipeline)",
+                stacklevel=3,
+            )
+        if self.zero_stage < 2 and (self.wrap != "block" or self.wrap_min_params != 100_000):
+            warnings.warn(
+                "parallel.wrap/wrap_min_params are ignored with zero_stage < 2 (no FSDP units)",
+                stacklevel=3,
+            )
         self._check_loss_scale()
         parse_activation_checkpointing(self.activation_checkpointing)
         if self.wrap not in ("block", "size"):

@@ -49,7 +49,14 @@ from torsh_distributed.parallel.precision import apply_autocast
 from torsh_distributed.parallel.sharded import apply_fsdp, select_units
 from torsh_distributed.parallel.tp_plan import TPPlan, apply_tp_plan
 
-__all__ = ["parallelize", "materialize", "materialize_first", "check_world", "ddp_options"]
+__all__ = [
+    "parallelize",
+    "materialize",
+    "materialize_first",
+    "check_init_coverage",
+    "check_world",
+    "ddp_options",
+]
 
 
 def check_world(config: ParallelConfig, dp: int) -> None:
@@ -177,33 +184,59 @@ def materialize_first(config: ParallelConfig, *, model_parallel: bool) -> bool:
     return config.zero_stage <= 1 and not model_parallel
 
 
+def _own_reset(module: nn.Module) -> bool:
+    """Whether ``module``'s class (not FSDP2's generated wrapper class) defines reset_parameters."""
+    return any(
+        "reset_parameters" in cls.__dict__
+        for cls in type(module).__mro__
+        if cls is not nn.Module and not cls.__name__.startswith("FSDP")
+    )
+
+
+def check_init_coverage(model: nn.Module) -> None:
+    """Raise unless every parameter and buffer of ``model`` is (re)set by a ``reset_parameters``.
+
+    :func:`materialize` allocates uninitialised memory and relies on them; run this on the whole
+    (meta) model before any collective, so that every rank raises the same error.
+
+    Raises:
+        ValueError: naming the parameters or buffers nothing initialises.
+    """
+    if _own_reset(model):
+        return  # the model's own initialisation: trusted to set what it owns
+    covered: set[int] = set()
+    for module in model.modules():
+        if _own_reset(module):
+            covered.update(id(t) for t in module.parameters())
+            covered.update(id(t) for t in module.buffers())
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    missing += [n for n, b in model.named_buffers() if id(b) not in covered]
+    if missing:
+        raise ValueError(
+            f"meta_init: no reset_parameters() initialises {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; give {type(model).__name__} a "
+            "reset_parameters() that sets them (a meta-device model has no values to keep)"
+        )
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
     """Allocate a meta-device (possibly sharded) model on ``device`` and initialise it.
 
     Runs ``model.reset_parameters()`` if the root defines it (the model's own initialisation),
     else every submodule's own ``reset_parameters`` (torch's layers define one), under ``seed``.
+    Sharded parameters are initialised shard by shard: where DTensor has no distributed RNG
+    (CPU meshes in torch 2.13) the caller must give each shard its own ``seed``.
 
     Raises:
-        ValueError: some parameter would stay uninitialised (no ``reset_parameters`` covers it).
+        ValueError: some parameter or buffer would stay uninitialised (:func:`check_init_coverage`).
     """
+    check_init_coverage(model)
     model.to_empty(device=device)
     torch.manual_seed(seed)
-    init = getattr(model, "reset_parameters", None)
-    if callable(init):
-        init()
+    if _own_reset(model):
+        model.reset_parameters()  # type: ignore[operator]
         return
-    covered: set[int] = set()
     for module in model.modules():
-        own = type(module).__dict__.get("reset_parameters")
-        if own is None:
-            continue
-        module.reset_parameters()
-        covered.update(id(p) for p in module.parameters())
-    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
-    if missing:
-        raise ValueError(
-            f"meta_init: no reset_parameters() initialises {', '.join(missing[:5])}"
-            f"{' ...' if len(missing) > 5 else ''}; give {type(model).__name__} a "
-            "reset_parameters() method"
-        )
+        if _own_reset(module):
+            module.reset_parameters()  # type: ignore[operator]

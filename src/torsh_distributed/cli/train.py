@@ -208,15 +208,20 @@ def user_factories(args: argparse.Namespace) -> UserFactories | None:
     )
 
 
-def _check_world(config: TrainConfig, world_size: int) -> None:
-    par = config.parallel
-    fixed = par.tp * par.pp * (par.dp if par.dp != -1 else 1)
-    if world_size % fixed or (par.dp != -1 and fixed != world_size):
-        raise ValueError(
-            f"dp * tp * pp = {par.dp if par.dp != -1 else '-1'} * {par.tp} * {par.pp} does not "
-            f"fit {world_size} ranks (--nproc-per-node x --nnodes)"
-        )
-    config.check_world(world_size // (par.tp * par.pp))
+def _check_world(config: TrainConfig, world_size: int, user: UserFactories | None) -> None:
+    """The engine's checks that need only the world size (degrees, batch split, pipeline
+    schedule), before any rank starts: the same function every rank runs again."""
+    from torsh_distributed.engine._setup import plan_run
+
+    par, plan = config.parallel, None
+    if par.tp > 1:
+        if user is None:
+            from torsh_distributed.models.gpt_tp import gpt_tp_plan
+
+            plan = gpt_tp_plan(sequence_parallel=par.sequence_parallel, loss_parallel=par.pp == 1)
+        else:
+            plan = user.plan()
+    plan_run(config, world_size=world_size, tp_plan=plan)
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -225,12 +230,11 @@ def _handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     user = user_factories(args)
     options = options_from_args(args)
-    nodes_fixed = ":" not in options.nnodes
-    if nodes_fixed:
-        _check_world(config, options.nproc_per_node * int(options.nnodes))
     inside_launch = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
+    if ":" not in options.nnodes:  # a fixed world: check what depends on its size
+        _check_world(config, options.nproc_per_node * int(options.nnodes), user)
     if inside_launch or (options.nproc_per_node == 1 and options.nnodes in ("1", "1:1")):
         return _train_here(config, user)
     from torsh_distributed.elastic.launch import launch

@@ -132,7 +132,8 @@ class UserFactories:
             )
         return data
 
-    def _plan(self) -> TPPlan | None:
+    def plan(self) -> TPPlan | None:
+        """The plan ``--tp-plan`` names (its factory called), or ``None``."""
         if not self.tp_plan:
             return None
         plan = _call(self.tp_plan, what="tp-plan")
@@ -163,7 +164,7 @@ class UserFactories:
             self._dataset(self.val_dataset, "val-dataset")
         if self.loss:
             _callable(self.loss, what="loss")
-        plan = self._plan()
+        plan = self.plan()
         par = config.parallel
         if par.tp > 1:
             if plan is None:
@@ -184,6 +185,6 @@ class UserFactories:
             val_dataset=self._dataset(self.val_dataset, "val-dataset") if self.val_dataset else None,
             loss_fn=_callable(self.loss, what="loss") if self.loss else None,
             config=config,
-            tp_plan=self._plan(),
+            tp_plan=self.plan(),
             settings={"model": self.model, "dataset": self.dataset, "loss": self.loss},
         )

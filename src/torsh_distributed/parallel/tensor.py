@@ -106,7 +106,9 @@ def sync_grads(
     """Average gradients over a data-parallel ``group`` of ``size`` ranks (one flat all-reduce).
 
     DTensor gradients are reduced through their local shards: the ``dp`` axis is orthogonal to
-    the axes they are sharded over.
+    the axes they are sharded over. A trainable parameter without a gradient on this rank (its
+    forward skipped it for this batch) gets a zero one, so every rank exchanges the same layout
+    (differing flat sizes would fail or hang the all-reduce).
 
     Args:
         reduce: Replaces the all-reduce: ``reduce(flat, owners)`` returns the mean of ``flat``
@@ -114,7 +116,10 @@ def sync_grads(
     """
     if size <= 1:
         return
-    owners = [p for p in params if p.grad is not None]
+    owners = [p for p in params if p.requires_grad]
+    for p in owners:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     mean = None if reduce is None else (lambda flat: reduce(flat, owners))
     _mean_flat([_local(p.grad) for p in owners], group, size, mean)
 

@@ -26,7 +26,7 @@ FINAL_LINES = {
     "ddp_compression.py": rf"final loss {_FLOAT}, validation {_FLOAT}, compression ratio {_FLOAT}x",
     "zero3.py": rf"final loss {_FLOAT}; model states per rank (\d+) B",
     "tp_plan.py": rf"final loss {_FLOAT} with tp=2",
-    "pipeline_split.py": rf"final loss {_FLOAT}, layout (\{{'dp': 1, 'tp': 1, 'pp': 2\}})",
+    "pipeline_split.py": rf"final loss {_FLOAT}, layout (\{{'dp': 1, 'tp': 1, 'pp': 2, 'ep': 1\}})",
 }
 COVERED = {*FINAL_LINES, "own_loop.py", "factories.py"}
 
@@ -81,7 +81,7 @@ def test_example_runs_on_two_ranks(script: str) -> None:
 @pytest.mark.slow
 def test_pipeline_split_dp2_pp2_on_four_ranks() -> None:
     stdout = run_example("pipeline_split.py", "--split", "layers.1", nproc=4)
-    pattern = rf"final loss {_FLOAT}, layout (\{{'dp': 2, 'tp': 1, 'pp': 2\}})"
+    pattern = rf"final loss {_FLOAT}, layout (\{{'dp': 2, 'tp': 1, 'pp': 2, 'ep': 1\}})"
     final_values(stdout, pattern, nproc=4)
 
 

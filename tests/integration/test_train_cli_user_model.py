@@ -71,7 +71,7 @@ def test_four_ranks_pipeline_split_of_a_file_factory(tmp_path: Path, factories: 
     s = _summary(tmp_path, "pp", ["--nproc-per-node", "4", "--model", f"{factories}:make_model",
                                   "--dataset", f"{factories}:make_dataset", *QUICK,
                                   "--pp", "2", "--pp-split", "2", "--microbatches", "2"])
-    assert s["world_size"] == 4 and s["layout"] == {"dp": 2, "tp": 1, "pp": 2}
+    assert s["world_size"] == 4 and s["layout"] == {"dp": 2, "tp": 1, "pp": 2, "ep": 1}
 
 
 BAD = [

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 import torsh_distributed as tdist
 from torsh_distributed import DistributedTimeoutError
@@ -81,8 +82,20 @@ def _reference(cfg: MoEConfig, sizes: list[int]) -> tuple[MoE, list[torch.Tensor
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
+    """The gradient of this rank's part (a DTensor expert's: its local shard)."""
     assert p.grad is not None
-    return p.grad
+    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+
+
+def _sharded_over(p: torch.Tensor, ep: int) -> bool:
+    """An expert weight is a DTensor of the global shape, sharded Shard(0) over ep ranks."""
+    return (
+        isinstance(p, DTensor)
+        and p.shape[0] == 8
+        and p.to_local().shape[0] == 8 // ep
+        and tuple(p.placements) == (Shard(0),)
+        and p.device_mesh.size() == ep
+    )
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,6 +132,7 @@ def _ep_parity(cfg_kw: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
     assert model.shared is not None and ref.shared is not None
     out: dict[str, Any] = {
         "local_experts": model.experts.num_local_experts,
+        "dtensor": all(_sharded_over(p, world) for p in experts),
         "out": _max_err(y, ref_outs[rank]),
         "router": _max_err(_grad(model.router.weight), _grad(ref.router.weight)),
         "shared": _max_err(_grad(model.shared.w1.weight), _grad(ref.shared.w1.weight)),
@@ -138,6 +152,7 @@ def _ep_parity(cfg_kw: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
 def _check(results: list[dict[str, Any]], ep: int) -> None:
     for rank, res in enumerate(results):
         assert res["local_experts"] == 8 // ep
+        assert res["dtensor"], rank
         for key in ("out", "router", "shared", "w1", "w2", "concat"):
             assert res.get(key, 0.0) < TOL, (rank, key, res[key])
         assert res["stats"] == res["ref_stats"], rank  # same routing, same drops
@@ -215,6 +230,9 @@ def _dp_ep() -> dict[str, Any]:
     ref_w1 = _grad(ref.experts.w1)[lo:hi]
     return {
         "ep_rank": ep_rank,
+        "dtensor": all(_sharded_over(p, 2) for p in experts),
+        "init_is_slice": torch.equal(model.experts.w1.to_local(), ref.experts.w1[lo:hi])
+        and torch.equal(model.experts.w2.to_local(), ref.experts.w2[lo:hi]),
         "out": _max_err(y, ref_outs[rank]),
         "router": _max_err(_grad(model.router.weight), _grad(ref.router.weight)),
         "w1": _max_err(_grad(model.experts.w1), ref_w1),
@@ -235,6 +253,7 @@ def test_dp2_ep2_reduce_expert_grads_is_not_scaled_by_ep() -> None:
         assert res["w1_ratio"] == pytest.approx(1.0, abs=1e-9)
         assert res["dp_mean_ratio"] == pytest.approx(2.0, abs=1e-9)  # pytorch#160285
         assert res["bias_moved"] > 0
+        assert res["dtensor"] and res["init_is_slice"], rank  # meta init: exactly its slice
 
 
 def _indivisible() -> str:

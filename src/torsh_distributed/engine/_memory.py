@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torsh_distributed.parallel.blocks import block_entries, find_blocks
+from torsh_distributed.parallel.expert import expert_parameters
 from torsh_distributed.parallel.memory import (
     ModelStateMeasurement,
     cuda_peak_bytes,
@@ -159,13 +160,18 @@ class MemoryReport:
                 )
             return
         stage = self._stage
-        num_params = sum(p.numel() for p in model.parameters())
+        experts = {id(p) for p in expert_parameters(model)}
+
+        def count(params: Any) -> int:  # this rank's experts (DTensor shards), the rest whole
+            return sum(p.to_local().numel() if id(p) in experts else p.numel() for p in params)
+
+        num_params = count(model.parameters())
         try:
             _, container = find_blocks(model)
             blocks = [m for _, m in block_entries(container)]
         except ValueError:
             blocks = []
-        block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+        block_params = count(blocks[0].parameters()) if blocks else 0
         predicted = model_state_bytes(
             num_params, self._dp, stage, dtype="fp32", optimizer=self._optimizer, layout="fsdp2"
         )

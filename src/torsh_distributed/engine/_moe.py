@@ -7,7 +7,10 @@
   gradients equal one process's on the same global batch.
 * :meth:`MoEHooks.reduce_expert_grads`: with ``ep > 1`` the expert gradients are summed over
   the ranks holding the same experts and divided by ``dp * ep`` (not scaled by the EP degree:
-  :mod:`torsh_distributed.parallel.expert`); DDP averages the dense ones over ``dp * ep``.
+  :mod:`torsh_distributed.parallel.expert`); DDP averages the dense ones over ``dp * ep``. The
+  experts are DTensors sharded over the ``ep`` mesh (so checkpoints hold them once, with their
+  global shape, and reshard to another ep degree); their gradients are reduced, and clipped
+  (:meth:`MoEHooks.clip`), through the local shards.
 * :meth:`MoEHooks.after_step`: the aux-loss-free selection bias moves with the load summed
   over every data-parallel rank (so all replicas keep the same bias), and the load statistics of
   the step (tokens per expert, dropped slots, coefficient of variation) are accumulated and

@@ -90,11 +90,6 @@ def plan_run(
         raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
     per_dp = config.check_world(dims.data_degree)  # ep ranks hold different samples
     check_world(par, dims.dp)
-    if dims.ep > 1 and (config.checkpoint.dir or config.checkpoint.resume not in ("auto", "never")):
-        raise ValueError(
-            f"checkpoints of parallel.ep={dims.ep} runs are not built yet (each ep rank holds other "
-            "experts under the same names); run without --checkpoint-dir/--resume, or with ep 1"
-        )
     if dims.ep > 1 and config.compression.enabled:
         raise ValueError(
             f"--compression {config.compression.method} with parallel.ep={dims.ep} is not built "

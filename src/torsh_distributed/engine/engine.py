@@ -267,7 +267,8 @@ class Engine:
             params = built.params
             optimizer = self._optimizer(built.holder)
             fsdp = par.zero_stage >= 2
-            if dims.tp > 1 and not fsdp:  # foreach kernels reject lists mixing DTensor and plain tensors
+            if (dims.tp > 1 or dims.ep > 1) and not fsdp:
+                # foreach kernels reject lists mixing DTensor (tp shards, ep experts) and plain tensors
                 for group in optimizer.param_groups:
                     group["foreach"] = False
             dp_group = None if dims.dp == dims.world_size else dims.group("dp")

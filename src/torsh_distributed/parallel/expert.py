@@ -1,8 +1,11 @@
 """Expert parallelism (EP): each rank of the ``ep`` group holds a contiguous block of every MoE
 layer's experts and tokens travel to them by all-to-all.
 
-:func:`apply_ep` keeps rank ``r``'s experts ``[r * E / ep, (r + 1) * E / ep)`` as plain local
-parameters and installs a dispatcher in :meth:`MoE.run_experts <.moe.MoE.run_experts>`:
+:func:`apply_ep` keeps rank ``r``'s experts ``[r * E / ep, (r + 1) * E / ep)`` as DTensors
+sharded ``Shard(0)`` over the ``ep`` mesh (global shape ``[E, ...]``: a DCP checkpoint holds
+one tensor per name, written once whatever the ep degree, and reshards on load to another ep
+degree or to plain full tensors at ep 1) and installs a dispatcher in
+:meth:`MoE.run_experts <.moe.MoE.run_experts>`:
 
 1. all-to-all of the per-expert counts (each rank learns how many rows each peer will send to
    each of its experts; this is also what makes ranks with *zero* tokens work: they send and
@@ -36,7 +39,11 @@ the mean of the ``dp * ep`` per-rank losses:
 
 Expert parameters must not be wrapped by a DDP over all ranks (it would broadcast rank 0's
 experts over the others' at construction and average unrelated experts): exclude
-:func:`expert_parameters` from it and call :func:`reduce_expert_grads` after backward.
+:func:`expert_parameters` from it and call :func:`reduce_expert_grads` after backward. Their
+gradients are DTensors like them; the functions here work on the local shards. An optimizer
+over both DTensor experts and plain dense parameters needs ``foreach=False`` (torch's foreach
+kernels reject such mixed lists); its state of the experts is then DTensors too and checkpoints
+with them.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from torsh_distributed.comm import collectives
 from torsh_distributed.parallel.moe import GroupedExperts, MoE, moe_layers
@@ -136,9 +144,13 @@ class ExpertDispatcher:
         return _AllToAll.apply(out, send, recv, self.group)
 
 
-def _resolve_group(
-    mesh: DeviceMesh | None, group: dist.ProcessGroup | None
-) -> tuple[dist.ProcessGroup | None, int, int]:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself under ``no_grad``), or a plain tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _resolve_mesh(mesh: DeviceMesh | None, group: dist.ProcessGroup | None) -> DeviceMesh:
+    """The 1-D ep mesh: ``mesh``, or one wrapping ``group`` (default: the world; no new group)."""
     if mesh is not None and group is not None:
         raise ValueError("give either mesh or group to apply_ep, not both")
     if mesh is not None:
@@ -146,10 +158,13 @@ def _resolve_group(
             raise ValueError(
                 f"apply_ep needs a 1-D mesh (the ep axis, e.g. dims.mesh['ep']), got {mesh.ndim}-D"
             )
-        group = mesh.get_group()
+        return mesh
     if not dist.is_initialized():
         raise ValueError("apply_ep needs a running process group (call torsh_distributed.init())")
-    return group, dist.get_world_size(group), dist.get_rank(group)
+    group = group if group is not None else dist.group.WORLD
+    assert group is not None
+    device_type = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+    return DeviceMesh.from_group(group, device_type)
 
 
 def apply_ep(
@@ -160,16 +175,19 @@ def apply_ep(
 ) -> nn.Module:
     """Shard every :class:`~.moe.MoE` layer's experts over the ``ep`` ranks; in place.
 
-    Rank ``r`` of the group keeps experts ``[r * E / ep, (r + 1) * E / ep)`` as new plain
-    parameters (marked, see :func:`expert_parameters`) and dispatches tokens by all-to-all.
-    Works on a meta-device model (then ``reset_parameters`` draws the local block's values of the
-    unsharded initialisation). Apply before building the optimizer and before DDP/FSDP.
+    Rank ``r`` of the group keeps experts ``[r * E / ep, (r + 1) * E / ep)`` as new parameters,
+    DTensors sharded ``Shard(0)`` over the ep mesh (:meth:`~.moe.GroupedExperts.shard_`; marked,
+    see :func:`expert_parameters`), and dispatches tokens by all-to-all. Works on a meta-device
+    model (then ``reset_parameters`` draws the local block's values of the unsharded
+    initialisation). Apply before building the optimizer (with ``foreach=False``: see the module
+    docstring) and before DDP/FSDP.
 
     Args:
         model: A model containing MoE layers (a model without any is returned unchanged).
         mesh: The 1-D ``ep`` mesh (``dims.mesh["ep"]``). Prefer it in a multi-axis layout: it
             names the right group for this rank.
-        group: The ``ep`` process group instead of a mesh; neither = the world (pure EP).
+        group: The ``ep`` process group instead of a mesh (wrapped in a 1-D mesh); neither =
+            the world (pure EP).
 
     Returns:
         ``model``.
@@ -178,7 +196,8 @@ def apply_ep(
         ValueError: before any communication, when a layer's ``num_experts`` is not divisible
             by ``ep``, a layer is already sharded, or no process group runs.
     """
-    group, ep, rank = _resolve_group(mesh, group)
+    mesh = _resolve_mesh(mesh, group)
+    ep = mesh.size()
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     for name, layer in layers:
         num = layer.config.num_experts
@@ -187,11 +206,11 @@ def apply_ep(
                 f"num_experts ({num}) of MoE layer {name or '<root>'!r} must be divisible by "
                 f"ep ({ep})"
             )
-        if layer.experts.num_local_experts != num or layer.dispatcher is not None:
+        if layer.experts.sharded or layer.dispatcher is not None:
             raise ValueError(f"MoE layer {name or '<root>'!r} is already expert-parallel")
+    group = mesh.get_group()
     for _, layer in layers:
-        num_local = layer.config.num_experts // ep
-        layer.experts.keep_(rank * num_local, (rank + 1) * num_local)
+        layer.experts.shard_(mesh)
         setattr(layer.experts, _MARK, True)
         for p in layer.experts.parameters():
             setattr(p, _MARK, True)
@@ -200,7 +219,8 @@ def apply_ep(
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of the experts sharded by :func:`apply_ep` (marked ``_torsh_expert``).
+    """The parameters of the experts sharded by :func:`apply_ep` (marked ``_torsh_expert``;
+    DTensors sharded over the ep mesh).
 
     Found through their modules, so the list stays right after ``to_empty`` (which may replace
     parameter objects); the mark is set again on the ones returned.
@@ -227,7 +247,8 @@ def reduce_expert_grads(
     ranks holding the same experts; skipped when ``dp == 1``), then a division by ``dp * ep``
     (the ``ep`` factor undoes the sum over ep ranks' tokens done by the all-to-all backward; see
     the module docstring). Parameters without a gradient are skipped; every rank of ``group``
-    must pass the same parameters in the same order.
+    must pass the same parameters in the same order. DTensor gradients are reduced through
+    their local shards (in place).
 
     Args:
         params: Expert parameters (:func:`expert_parameters`).
@@ -241,7 +262,7 @@ def reduce_expert_grads(
     for name, value in (("dp", dp), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if dp > 1:
         size = dist.get_world_size(group)
         if size != dp:
@@ -301,8 +322,8 @@ def clip_grad_norm_with_experts_(
     Each ep rank holds other experts, so a local norm misses the rest and every rank would clip
     by a different factor (the replicas of the dense parameters would drift apart). The squares
     of the expert gradients are summed over ``group``; the dense ones, equal on every rank after
-    the data-parallel average, count once. Call after :func:`reduce_expert_grads`, on every rank
-    of ``group``. ``max_norm <= 0`` only measures.
+    the data-parallel average, count once (their local shards, for DTensors). Call after
+    :func:`reduce_expert_grads`, on every rank of ``group``. ``max_norm <= 0`` only measures.
 
     Returns:
         The total norm before clipping, equal on every rank.
@@ -310,9 +331,9 @@ def clip_grad_norm_with_experts_(
     experts = list(experts)
     expert_ids = {id(p) for p in experts}
     with_grad = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in with_grad]
-    dense = [p.grad for p in with_grad if id(p) not in expert_ids]
-    local = [p.grad for p in experts if p.grad is not None]
+    grads = [_local(p.grad) for p in with_grad]  # type: ignore[arg-type]
+    dense = [_local(p.grad) for p in with_grad if id(p) not in expert_ids]  # type: ignore[arg-type]
+    local = [_local(p.grad) for p in experts if p.grad is not None]
     squares = torch.zeros(2, dtype=torch.float64)
     squares[0] = sum((g.double().pow(2).sum() for g in dense), torch.zeros((), dtype=torch.float64))
     squares[1] = sum((g.double().pow(2).sum() for g in local), torch.zeros((), dtype=torch.float64))

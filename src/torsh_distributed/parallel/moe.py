@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "SCORES",
@@ -166,13 +168,22 @@ def _fan_in_uniform_(t: torch.Tensor, fan_in: int) -> None:
     t.uniform_(-bound, bound)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (differentiable: gradients flow back into the DTensor's
+    ``grad``), or a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class GroupedExperts(nn.Module):
     """A block of experts stored stacked: ``w1: [L, d_model, d_hidden]``, ``w2: [L, d_hidden,
     d_model]``, holding global experts ``[expert_offset, expert_offset + L)`` of ``num_experts``.
 
-    Unsharded, ``L == num_experts``; :meth:`keep_` cuts it to a rank's block (expert parallelism).
-    The forward loops over the local experts (one pair of matmuls each); a grouped GEMM
-    (``torch._grouped_mm`` on recent GPUs) would remove the loop where it is available.
+    Unsharded, ``L == num_experts``. Expert parallelism keeps a rank's block: :meth:`shard_` as
+    DTensors sharded ``Shard(0)`` over the ``ep`` mesh (global shape ``[num_experts, ...]``, so a
+    DCP checkpoint holds one tensor per name and reshards to another ep degree), :meth:`keep_` as
+    plain tensors. The forward runs the local shard; it loops over the local experts (one pair
+    of matmuls each); a grouped GEMM (``torch._grouped_mm`` on recent GPUs) would remove the loop
+    where it is available.
     """
 
     def __init__(
@@ -195,14 +206,20 @@ class GroupedExperts(nn.Module):
 
     @property
     def num_local_experts(self) -> int:
-        return self.w1.shape[0]
+        with torch.no_grad():
+            return _local(self.w1).shape[0]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this holds a block of the experts (:meth:`keep_` or :meth:`shard_` ran)."""
+        return isinstance(self.w1, DTensor) or self.num_local_experts != self.num_experts
 
     def keep_(self, start: int, stop: int) -> GroupedExperts:
         """Keep only global experts ``[start, stop)`` (new plain parameters; no communication).
 
         Call before building the optimizer: the old parameters are replaced, not resized.
         """
-        if self.num_local_experts != self.num_experts:
+        if self.sharded:
             raise ValueError("experts are already sharded; keep_ applies to a full block once")
         if not 0 <= start < stop <= self.num_experts:
             raise ValueError(
@@ -216,19 +233,50 @@ class GroupedExperts(nn.Module):
         self.expert_offset = start
         return self
 
+    def shard_(self, mesh: DeviceMesh) -> GroupedExperts:
+        """Keep the block of this rank of the 1-D ``mesh`` (rank ``r`` of ``n``: experts
+        ``[r E/n, (r+1) E/n)``) as parameters that are DTensors sharded ``Shard(0)`` over it.
+
+        No communication (the global shape is known). Works on the ``meta`` device (then
+        ``to_empty`` and :meth:`reset_parameters`). Call before building the optimizer.
+
+        Raises:
+            ValueError: ``mesh`` is not 1-D, ``num_experts`` is not divisible by its size, or
+                the experts are already sharded.
+        """
+        if mesh.ndim != 1:
+            raise ValueError(f"shard_ needs a 1-D mesh, got {mesh.ndim}-D")
+        size, rank = mesh.size(), mesh.get_local_rank()
+        if self.num_experts % size:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by the mesh size ({size})"
+            )
+        num_local = self.num_experts // size
+        self.keep_(rank * num_local, (rank + 1) * num_local)
+        for name in ("w1", "w2"):
+            local = getattr(self, name)
+            shape = (self.num_experts, *local.shape[1:])
+            stride = torch.empty(shape, device="meta").stride()
+            sharded = DTensor.from_local(
+                local.detach(), mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+            )
+            setattr(self, name, nn.Parameter(sharded, requires_grad=local.requires_grad))
+        return self
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Draw every *global* expert in order (w1 then w2 of expert 0, then expert 1, ...) from
         the global RNG, keeping the local ones: a sharded block gets exactly the values of its
         slice of the unsharded layer under the same seed, at the cost of drawing (into one
         scratch expert) the experts other ranks hold."""
-        local = range(self.expert_offset, self.expert_offset + self.num_local_experts)
-        scratch1 = torch.empty_like(self.w1[0])
-        scratch2 = torch.empty_like(self.w2[0])
+        w1, w2 = _local(self.w1), _local(self.w2)  # no_grad: the shards themselves, filled in place
+        local = range(self.expert_offset, self.expert_offset + w1.shape[0])
+        scratch1 = torch.empty_like(w1[0])
+        scratch2 = torch.empty_like(w2[0])
         for e in range(self.num_experts):
             mine = e in local
-            _fan_in_uniform_(self.w1[e - self.expert_offset] if mine else scratch1, self.d_model)
-            _fan_in_uniform_(self.w2[e - self.expert_offset] if mine else scratch2, self.d_hidden)
+            _fan_in_uniform_(w1[e - self.expert_offset] if mine else scratch1, self.d_model)
+            _fan_in_uniform_(w2[e - self.expert_offset] if mine else scratch2, self.d_hidden)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``tokens: [N, d_model]`` grouped by local expert, ``tokens_per_expert: [L]`` summing to
@@ -240,9 +288,9 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert must have {self.num_local_experts} entries summing to "
                 f"{tokens.shape[0]}, got {counts}"
             )
+        w1, w2 = _local(self.w1), _local(self.w2)
         outs = [
-            F.gelu(chunk @ self.w1[e]) @ self.w2[e]
-            for e, chunk in enumerate(torch.split(tokens, counts))
+            F.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(torch.split(tokens, counts))
         ]
         return torch.cat(outs)
 

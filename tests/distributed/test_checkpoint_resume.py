@@ -42,7 +42,7 @@ def _train(config_dict: dict) -> dict:
 def _weights(config_dict: dict, path: Path) -> dict[str, torch.Tensor]:
     model = GPT(TrainConfig.from_dict(config_dict).model)
     loaded = CheckpointManager(path.parent).load(model=model, path=path)
-    assert loaded is not None
+    assert loaded is not None  # can fail: load returns None when no valid checkpoint is found
     return model.state_dict()
 
 

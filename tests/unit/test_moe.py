@@ -164,7 +164,7 @@ def test_tokens_conserved_under_capacity() -> None:
     x = torch.randn(40, 6, dtype=D)
     m(x)
     stats = m.stats
-    assert stats is not None
+    assert stats is not None  # can fail: stats is None when forward recorded no routing
     capacity = m.config.capacity(40)  # ceil(0.5 * 40 * 2 / 4) = 10
     assert capacity == 10
     assert sum(stats.routed_per_expert) == 40 * 2
@@ -184,7 +184,7 @@ def test_dropping_keeps_the_highest_probability_tokens() -> None:
     kept = [t for t in range(6) if y[t].abs().sum() > 0]
     assert kept == [1, 2, 3]  # the 3 highest p; the tie (tokens 2 and 4) goes to the earlier one
     stats = m.stats
-    assert stats is not None
+    assert stats is not None  # can fail: stats is None when forward recorded no routing
     assert stats.tokens_per_expert == [3, 0] and stats.routed_per_expert == [6, 0]
     assert stats.dropped == 3
     for t in kept:
@@ -203,7 +203,7 @@ def test_dropless_never_drops_a_skewed_batch() -> None:
     x = torch.rand(30, 6, dtype=D) + 0.1  # everyone prefers experts 0 and 1
     y = m(x)
     stats = m.stats
-    assert stats is not None
+    assert stats is not None  # can fail: stats is None when forward recorded no routing
     assert stats.routed_per_expert == [30, 30, 0, 0] and stats.tokens_per_expert == [30, 30, 0, 0]
     assert stats.dropped == 0 and stats.load_cv == pytest.approx(1.0)
     torch.testing.assert_close(y, _loop_reference(m, x), rtol=0, atol=1e-12)
@@ -229,7 +229,7 @@ def test_bias_update_moves_load_toward_balance() -> None:
     for _ in range(30):
         m(x)
         stats = m.stats
-        assert stats is not None
+        assert stats is not None  # can fail: stats is None when forward recorded no routing
         cvs.append(stats.load_cv)
         update_moe_biases(m)
     assert cvs[0] > 0.4

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from torsh_distributed._checks import positive as _positive
 from torsh_distributed.checkpoint.config import CheckpointConfig
 from torsh_distributed.comm.config import CommConfig
 from torsh_distributed.compression.config import CompressionConfig
@@ -14,11 +15,6 @@ from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
 __all__ = ["EngineConfig", "OptimConfig", "OPTIMIZERS"]
-
-
-def _positive(owner: str, name: str, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{owner}.{name} must be > 0, got {value}")
 
 
 OPTIMIZERS = ("adamw", "sgd")

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torsh_distributed._checks import positive as _positive
+
 __all__ = ["ModelConfig", "MoESection"]
-
-
-def _positive(owner: str, name: str, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{owner}.{name} must be > 0, got {value}")
 
 
 @dataclass(kw_only=True, slots=True)

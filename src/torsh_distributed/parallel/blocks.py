@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["find_blocks", "block_entries"]
+__all__ = ["CONTAINERS", "find_blocks", "block_entries"]
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+"""Module types that hold repeated blocks."""
 
 
 def block_entries(container: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -40,8 +41,8 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
     modules = dict(model.named_modules())
     if name is not None:
         found = modules.get(name)
-        if not isinstance(found, _CONTAINERS):
-            kinds = ", ".join(c.__name__ for c in _CONTAINERS)
+        if not isinstance(found, CONTAINERS):
+            kinds = ", ".join(c.__name__ for c in CONTAINERS)
             raise ValueError(
                 f"{name!r} is not a container ({kinds}) of {type(model).__name__}"
             )
@@ -49,7 +50,7 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, nn.Modu
     best: tuple[str, nn.Module] | None = None
     best_len = 0
     for qual, module in modules.items():
-        if not isinstance(module, _CONTAINERS):
+        if not isinstance(module, CONTAINERS):
             continue
         entries = block_entries(module)
         if len(entries) < 1 or len({_unwrapped_type(m) for _, m in entries}) != 1:

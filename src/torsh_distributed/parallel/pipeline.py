@@ -79,6 +79,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
 )
 
+from torsh_distributed.parallel.blocks import CONTAINERS as _CONTAINERS
 from torsh_distributed.parallel.blocks import block_entries, find_blocks
 
 __all__ = [
@@ -95,7 +96,6 @@ __all__ = [
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _KINDS = "nn.ModuleList, nn.ModuleDict or nn.Sequential"
 
 

@@ -1,5 +1,6 @@
 """Checkpoints of expert-parallel runs: the built-in MoE GPT trained at ep=2 and saved at step 3
-resumes exactly at ep=2, at ep=1 on one rank and at dp=2 x ep=2 on four ranks.
+resumes exactly at ep=2, at ep=2 with ZeRO-3 (FSDP2 shards of the dense parameters), at ep=1
+on one rank and at dp=2 x ep=2 on four ranks.
 
 The experts are DTensors sharded over the ep mesh, so the checkpoint holds each expert weight
 once with its global shape (not one rank's block saved as if the ranks held replicas), and DCP
@@ -75,8 +76,8 @@ def test_the_checkpoint_holds_each_expert_weight_once_with_its_global_shape(
 
 @pytest.mark.parametrize(
     ("world", "parallel"),
-    [(2, {"ep": 2}), (1, {}), (4, {"ep": 2})],
-    ids=["ep2", "ep1-one-rank", "dp2xep2"],
+    [(2, {"ep": 2}), (2, {"ep": 2, "zero_stage": 3}), (1, {}), (4, {"ep": 2})],
+    ids=["ep2", "ep2-zero3", "ep1-one-rank", "dp2xep2"],
 )
 def test_resume_continues_exactly_on_another_ep_layout(
     straight: tuple[dict[str, Any], Path], tmp_path: Path, world: int, parallel: dict[str, Any]

@@ -54,6 +54,23 @@ def test_expert_parallel_training_equals_one_process():
     assert dp_ep[0]["moe"]["ep"] == 2
 
 
+def test_expert_parallel_with_fsdp_equals_one_process():
+    """ep=2 with ZeRO-3 (FSDP2 over the dp x ep ranks for the dense parameters, experts out of
+    it), gradient clipping on: the same losses as one process."""
+    one = run_distributed(_train, 1, args=({}, MOE, 6), timeout=180)[0]
+    ep_zero3 = run_distributed(_train, 2, args=({"ep": 2, "zero_stage": 3}, MOE, 6), timeout=240)
+    assert ep_zero3[0]["losses"] == ep_zero3[1]["losses"]
+    assert ep_zero3[0]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert ep_zero3[0]["val"] == pytest.approx(one["val"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_dp_ep_with_zero2_equals_one_process():
+    one = run_distributed(_train, 1, args=({}, MOE, 6), timeout=180)[0]
+    run = run_distributed(_train, 4, args=({"ep": 2, "zero_stage": 2}, MOE, 6), timeout=300)[0]
+    assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
+
+
 def test_capacity_drops_are_counted_and_conserved():
     moe = {**MOE, "capacity_factor": 0.5}
     r = run_distributed(_train, 2, args=({"ep": 2}, moe, 3), timeout=180)[0]
@@ -83,5 +100,13 @@ def test_config_errors_name_the_field():
         MoESection(num_experts=4, capacity_factor=-1.0)
     with pytest.raises(ValueError, match="parallel.ep must be >= 1"):
         ParallelConfig(ep=0)
-    with pytest.raises(ValueError, match="parallel.ep=2 combines with DDP"):
-        ParallelConfig(ep=2, zero_stage=3)
+    with pytest.raises(ValueError, match=r"parallel.ep=2 combines with DDP \(zero_stage 0\) or FSDP2"):
+        ParallelConfig(ep=2, zero_stage=1)
+    with pytest.raises(ValueError, match="parallel.ep=2 combines with"):
+        ParallelConfig(ep=2, tp=2)
+    with pytest.raises(ValueError, match="parallel.meta_init with ep=2 and zero_stage 3"):
+        ParallelConfig(ep=2, zero_stage=3, meta_init=True)
+    with pytest.raises(ValueError, match="ep_rebalance_every and parallel.ep_rebalance_threshold"):
+        ParallelConfig(ep=2, ep_rebalance_every=-1)
+    with pytest.warns(UserWarning, match="ep_rebalance_every is ignored with ep=1"):
+        ParallelConfig(ep_rebalance_every=5)

@@ -94,6 +94,7 @@ class ParallelDims:
     _inter: dist.ProcessGroup | None = field(default=None, init=False)
     _subgroups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False)
     _data: dist.ProcessGroup | None = field(default=None, init=False)
+    _data_mesh: DeviceMesh | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not self.world_size:
@@ -164,6 +165,7 @@ class ParallelDims:
         """The ``dp x ep`` groups: expert parallelism borrows data-parallel ranks (each ep rank
         has its own tokens), so dense gradients are averaged over ``dp * ep`` ranks."""
         self._data = None
+        self._data_mesh = None
         if self.ep == 1:
             return
         assert self.mesh is not None
@@ -194,6 +196,19 @@ class ParallelDims:
         if self._data is None:
             raise ValueError("call build() before asking for groups")
         return self._data
+
+    def data_mesh(self) -> DeviceMesh:
+        """A 1-D mesh over :meth:`data_group` (``dims.mesh["dp"]`` when ``ep == 1``): what
+        FSDP2 shards the dense parameters of an expert-parallel model over."""
+        if self.mesh is None:
+            raise ValueError("call build() before asking for meshes")
+        if self.ep == 1:
+            return self.mesh["dp"]
+        if self._data_mesh is None:
+            self._data_mesh = DeviceMesh.from_group(
+                self.data_group(), self.device_type, mesh_dim_names=("dp_ep",)
+            )
+        return self._data_mesh
 
     def _discover_nodes(self) -> tuple[int, ...]:
         if self.node_assignment is not None:

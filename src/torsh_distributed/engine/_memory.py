@@ -11,6 +11,7 @@ pipeline parallelism only the measurement is reported (the planner models dp sha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -110,7 +111,7 @@ class MemoryReport:
 
     Args:
         zero_stage: ZeRO stage of the run.
-        dp: Data-parallel degree.
+        dp: Data-parallel ranks the dense parameters are sharded over (``dp * ep``).
         optimizer: The planner's optimizer name (``adam``, ``sgd``, ``sgd-plain``; see
             :func:`planner_optimizer`), or ``""`` when unknown (a user's optimizer): then only
             the measurement is reported.
@@ -166,15 +167,34 @@ class MemoryReport:
             return sum(p.to_local().numel() if id(p) in experts else p.numel() for p in params)
 
         num_params = count(model.parameters())
+        expert_params = count(p for p in model.parameters() if id(p) in experts)
         try:
             _, container = find_blocks(model)
             blocks = [m for _, m in block_entries(container)]
         except ValueError:
             blocks = []
         block_params = count(blocks[0].parameters()) if blocks else 0
+        # FSDP2 (stage >= 2) shards the dense parameters; it leaves the experts whole (sharded
+        # over ep by expert parallelism, replicated over dp): count those as unsharded
+        whole = expert_params if stage >= 2 else 0
         predicted = model_state_bytes(
-            num_params, self._dp, stage, dtype="fp32", optimizer=self._optimizer, layout="fsdp2"
+            num_params - whole,
+            self._dp,
+            stage,
+            dtype="fp32",
+            optimizer=self._optimizer,
+            layout="fsdp2",
         )
+        if whole:
+            unsharded = model_state_bytes(
+                whole, 1, 0, dtype="fp32", optimizer=self._optimizer, layout="fsdp2"
+            )
+            predicted = dataclasses.replace(
+                predicted,
+                params=predicted.params + unsharded.params,
+                grads=predicted.grads + unsharded.grads,
+                optimizer=predicted.optimizer + unsharded.optimizer,
+            )
         self._predicted = predicted.to_dict()
         acts = self._activations() if self._activations is not None else 0
         self._peak_terms = predict_peak_rss(
@@ -195,9 +215,12 @@ class MemoryReport:
             m = self._measured
             # ZeRO-1 partitions whole parameters: the per-rank optimizer state is uneven
             imbalance = m.total - m.padding - predicted.total
-            extra = f", ZeRO-1 partition imbalance {imbalance:+d} B" if imbalance else ""
+            extra = (
+                f", ZeRO-1 partition imbalance {imbalance:+d} B" if imbalance and stage == 1 else ""
+            )
             write(
-                f"memory per rank after step 1 (ZeRO stage {stage}, dp {self._dp}): model states "
+                f"memory per rank after step 1 (ZeRO stage {stage}, {self._dp} data-parallel "
+                f"ranks): model states "
                 f"predicted {format_bytes(predicted.total)}, measured {format_bytes(m.total)} "
                 f"(params {format_bytes(m.params.held)}, grads {format_bytes(m.grads.held)}, "
                 f"optimizer {format_bytes(m.optimizer.held)}; shard padding {m.padding} B{extra}); "

@@ -12,9 +12,11 @@
   global shape, and reshard to another ep degree); their gradients are reduced, and clipped
   (:meth:`MoEHooks.clip`), through the local shards.
 * :meth:`MoEHooks.after_step`: the aux-loss-free selection bias moves with the load summed
-  over every data-parallel rank (so all replicas keep the same bias), and the load statistics of
-  the step (tokens per expert, dropped slots, coefficient of variation) are accumulated and
-  logged to the step monitor (``moe_load_cv``, ``moe_dropped``).
+  over every data-parallel rank (so all replicas keep the same bias), the load statistics of
+  the step (tokens per expert, dropped slots, coefficient of variation; every micro-batch) are
+  accumulated and logged to the step monitor (``moe_load_cv``, ``moe_dropped``), and with
+  ``parallel.ep_rebalance_every`` the :class:`~torsh_distributed.parallel.rebalance.ExpertRebalancer`
+  moves experts between ep ranks when their load stays skewed.
 * :meth:`MoEHooks.summary`: the ``moe`` block of the run summary, over all ranks and steps.
 """
 
@@ -36,6 +38,7 @@ from torsh_distributed.parallel.expert import (
     update_moe_biases,
 )
 from torsh_distributed.parallel.moe import moe_layers, moe_losses
+from torsh_distributed.parallel.rebalance import ExpertRebalancer, RebalanceConfig
 
 __all__ = ["MoEHooks"]
 
@@ -46,9 +49,18 @@ class MoEHooks:
     Args:
         model: The module holding this rank's MoE layers (after expert parallelism).
         dims: The run's built dims (``dp``/``ep`` degrees, the data-parallel groups).
+        optimizer: The optimizer (its state moves with rebalanced experts).
+        rebalance: When to rebalance experts over the ep ranks; ``None`` = never.
     """
 
-    def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        dims: ParallelDims,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        rebalance: RebalanceConfig | None = None,
+    ) -> None:
         self.model, self.dims = model, dims
         self.layers = list(moe_layers(model))
         self.on = bool(self.layers)
@@ -57,6 +69,17 @@ class MoEHooks:
         num = max((layer.config.num_experts for layer in self.layers), default=0)
         self._routed = torch.zeros(len(self.layers), num, dtype=torch.float64)
         self._kept = torch.zeros(len(self.layers), num, dtype=torch.float64)
+        # slots routed to each ep rank (under the placement of the time)
+        self._ranks = torch.zeros(len(self.layers), dims.ep, dtype=torch.float64)
+        self._seen = [
+            torch.zeros(2, layer.config.num_experts, dtype=torch.float64) for layer in self.layers
+        ]
+        data = dims.data_group() if dims.data_degree > 1 else None
+        self.rebalancer = (
+            ExpertRebalancer(model, optimizer, config=rebalance, ep=dims.ep, group=data)
+            if self.on and rebalance is not None and dims.ep > 1
+            else None
+        )
         if dims.data_degree > 1:  # balancing losses over the global batch, as one process
             for layer in self.layers:
                 layer.set_balance_group(dims.data_group(), dims.data_degree)
@@ -86,59 +109,77 @@ class MoEHooks:
             dims = self.dims
             reduce_expert_grads(self.experts, group=dims.group("dp"), dp=dims.dp, ep=dims.ep)
 
-    def clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor | None:
+    def clip(
+        self, params: list[nn.Parameter], max_norm: float, *, dense_sharded: bool = False
+    ) -> torch.Tensor | None:
         """ep > 1: clip by the norm over every rank's experts (a local norm would differ per
-        rank); ``None`` otherwise (the engine's usual clipping applies)."""
+        rank; ``dense_sharded``: FSDP2 shards the dense gradients over the dp x ep ranks);
+        ``None`` otherwise (the engine's usual clipping applies)."""
         if not self.experts:
             return None
         return clip_grad_norm_with_experts_(
-            params, max_norm, experts=self.experts, group=self.dims.group("ep")
+            params,
+            max_norm,
+            experts=self.experts,
+            group=self.dims.group("ep"),
+            dense_group=self.dims.data_group() if dense_sharded else None,
         )
 
-    def after_step(self, monitor: StepMonitor) -> None:
-        """Bias balancing, then this step's load into the run totals and the monitor."""
+    def after_step(self, monitor: StepMonitor, step: int | None = None) -> None:
+        """Bias balancing, this step's load (every micro-batch) into the run totals and the
+        monitor, then rebalancing when due (``step``: the global step just finished)."""
         if not self.on:
             return
         group = self.dims.data_group() if self.dims.data_degree > 1 else None
         if self.balancing:
             update_moe_biases(self.model, group=group)
-        cvs, dropped = [], 0
+        cvs, dropped = [], 0.0
         for i, layer in enumerate(self.layers):
-            stats = layer.stats
-            if stats is None:
+            totals = layer.totals
+            if totals is None:
                 continue
-            self._routed[i, : len(stats.routed_per_expert)] += torch.tensor(
-                stats.routed_per_expert, dtype=torch.float64
-            )
-            self._kept[i, : len(stats.tokens_per_expert)] += torch.tensor(
-                stats.tokens_per_expert, dtype=torch.float64
-            )
-            cvs.append(stats.load_cv)
-            dropped += stats.dropped
+            totals = totals.detach().cpu()
+            routed, kept = totals - self._seen[i]
+            self._seen[i] = totals.clone()
+            num = layer.config.num_experts
+            self._routed[i, :num] += routed
+            self._kept[i, :num] += kept
+            local = num // self.dims.ep
+            self._ranks[i].index_add_(0, layer.expert_slot.detach().cpu() // local, routed)
+            mean = float(routed.mean())
+            cvs.append(float(routed.std(unbiased=False)) / mean if mean > 0 else 0.0)
+            dropped += float(routed.sum() - kept.sum())
         if cvs:
             monitor.log("moe_load_cv", sum(cvs) / len(cvs))  # this rank's routing, mean of layers
-            monitor.log("moe_dropped", float(dropped))
+            monitor.log("moe_dropped", dropped)
+        if self.rebalancer is not None:
+            self.rebalancer.step(step)
 
     def summary(self) -> dict[str, Any]:
         """Tokens per expert (summed over ranks and steps), dropped share and load CV per layer;
         a collective over the data-parallel ranks."""
         if not self.on:
             return {}
-        routed, kept = self._routed.clone(), self._kept.clone()
+        routed, kept, ranks = self._routed.clone(), self._kept.clone(), self._ranks.clone()
         if self.dims.data_degree > 1 and dist.is_initialized():
-            both = torch.stack([routed, kept])
-            dist.all_reduce(both, group=self.dims.data_group())
-            routed, kept = both[0], both[1]
+            flat = torch.cat([routed.reshape(-1), kept.reshape(-1), ranks.reshape(-1)])
+            dist.all_reduce(flat, group=self.dims.data_group())
+            parts = torch.split(flat, [routed.numel(), kept.numel(), ranks.numel()])
+            routed, kept, ranks = (
+                x.view_as(y) for x, y in zip(parts, (routed, kept, ranks), strict=True)
+            )
         layers = []
         for i, layer in enumerate(self.layers):
             r = routed[i, : layer.config.num_experts]
             k = kept[i, : layer.config.num_experts]
-            mean = float(r.mean())
             layers.append(
                 {
                     "tokens_per_expert": [int(v) for v in k.tolist()],
                     "dropped_share": float((r.sum() - k.sum()) / r.sum()) if r.sum() > 0 else 0.0,
-                    "load_cv": float(r.std(unbiased=False)) / mean if mean > 0 else 0.0,
+                    "load_cv": _cv(r),
+                    "tokens_per_ep_rank": [int(v) for v in ranks[i].tolist()],
+                    "ep_load_cv": _cv(ranks[i]),
+                    "placement": [int(v) for v in layer.expert_slot.tolist()],
                 }
             )
         return {
@@ -146,5 +187,18 @@ class MoEHooks:
             "ep": self.dims.ep,
             "load_cv": sum(x["load_cv"] for x in layers) / len(layers),
             "dropped_share": sum(x["dropped_share"] for x in layers) / len(layers),
+            "ep_load_cv": sum(x["ep_load_cv"] for x in layers) / len(layers),
+            "rebalance": None
+            if self.rebalancer is None
+            else {
+                "moves": self.rebalancer.moves,
+                "moved_experts": self.rebalancer.moved_experts,
+                "windows": self.rebalancer.history,
+            },
             "per_layer": layers,
         }
+
+
+def _cv(values: torch.Tensor) -> float:
+    mean = float(values.mean())
+    return float(values.std(unbiased=False)) / mean if mean > 0 else 0.0

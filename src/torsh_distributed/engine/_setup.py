@@ -89,7 +89,7 @@ def plan_run(
     except ValueError as exc:
         raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
     per_dp = config.check_world(dims.data_degree)  # ep ranks hold different samples
-    check_world(par, dims.dp)
+    check_world(par, dims.data_degree)  # FSDP2 shards dense parameters over dp x ep
     if dims.ep > 1 and config.compression.enabled:
         raise ValueError(
             f"--compression {config.compression.method} with parallel.ep={dims.ep} is not built "

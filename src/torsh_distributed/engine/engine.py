@@ -70,6 +70,7 @@ from torsh_distributed.engine.result import TrainResult, print_summary, write_js
 from torsh_distributed.monitor.step import StepMonitor
 from torsh_distributed.parallel.data import no_grad_sync
 from torsh_distributed.parallel.precision import LossScaler
+from torsh_distributed.parallel.rebalance import RebalanceConfig
 from torsh_distributed.parallel.sharded import shard_optimizer
 from torsh_distributed.parallel.tensor import (
     average_replicated_grads,
@@ -246,7 +247,7 @@ class Engine:
             torch.set_num_threads(threads)
             memory = MemoryReport(  # RSS now = the process baseline
                 zero_stage=par.zero_stage,
-                dp=dims.dp,
+                dp=dims.data_degree,
                 optimizer=planner_optimizer(cfg.optim) if self.optimizer_factory is None else "",
                 weight_decay=cfg.optim.weight_decay > 0,
                 param_dtype=par.param_dtype,
@@ -267,13 +268,20 @@ class Engine:
             params = built.params
             optimizer = self._optimizer(built.holder)
             fsdp = par.zero_stage >= 2
-            if (dims.tp > 1 or dims.ep > 1) and not fsdp:
-                # foreach kernels reject lists mixing DTensor (tp shards, ep experts) and plain tensors
+            if dims.ep > 1 or (dims.tp > 1 and not fsdp):
+                # foreach kernels reject lists mixing DTensor (tp shards, ep experts) and plain
+                # tensors, or DTensors of two meshes (FSDP2's dense shards, ep experts)
                 for group in optimizer.param_groups:
                     group["foreach"] = False
             dp_group = None if dims.dp == dims.world_size else dims.group("dp")
             optimizer = shard_optimizer(optimizer, stage=par.zero_stage, process_group=dp_group)
-            moe = MoEHooks(built.holder, dims)  # aux losses, expert gradients, balancing, load
+            rebalance = (
+                RebalanceConfig(every=par.ep_rebalance_every, threshold=par.ep_rebalance_threshold)
+                if par.ep_rebalance_every
+                else None
+            )
+            # aux losses, expert gradients, balancing, load, expert rebalancing
+            moe = MoEHooks(built.holder, dims, optimizer=optimizer, rebalance=rebalance)
             scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory else None
             scaler = LossScaler.from_config(par, device=device)  # fp16: dynamic loss scaling
             flat_sync = run.model_parallel and not fsdp and dims.dp > 1
@@ -322,6 +330,8 @@ class Engine:
             start_step, losses = ckpt.resume()
             if runtime.is_main:
                 layout = f"dp {dims.dp} x tp {dims.tp} x pp {dims.pp}"
+                if dims.ep > 1:
+                    layout += f" x ep {dims.ep}"
                 if dims.pp > 1:
                     layout += f" ({par.pp_schedule}, {par.num_microbatches} micro-batches)"
                 print(
@@ -424,7 +434,7 @@ class Engine:
                 scaler.unscale(optimizer)  # fp16: true gradients before clipping
                 if cfg.optim.grad_clip:
                     if moe.experts:
-                        grad_norm = moe.clip(params, cfg.optim.grad_clip)
+                        grad_norm = moe.clip(params, cfg.optim.grad_clip, dense_sharded=fsdp)
                     elif run.model_parallel:
                         pp_group = dims.group("pp") if dims.pp > 1 else None
                         grad_norm = clip_grad_norm_(params, cfg.optim.grad_clip, pp_group=pp_group)
@@ -433,7 +443,7 @@ class Engine:
                 scaler.step(optimizer)  # fp16: skipped on every rank if a gradient overflowed
                 if scheduler is not None:
                     scheduler.step()
-                moe.after_step(monitor)  # bias balancing (load summed over dp x ep), load statistics
+                moe.after_step(monitor, step + 1)  # bias balancing, load statistics, rebalancing
                 monitor.phase("optimizer")
                 memory.after_step(built.holder, optimizer, main=runtime.is_main, write=write)
                 global_loss = float(global_mean(loss))

@@ -105,6 +105,14 @@ class ParallelConfig:
     """Expert-parallel degree: the experts of every MoE layer sharded over ``ep`` ranks, tokens
     sent to their experts by all-to-all. The ep ranks hold different tokens (ep borrows from data
     parallelism: the batch is split over ``dp * ep`` ranks); ``num_experts`` must divide by it."""
+    ep_rebalance_every: int = field(default=0, metadata={"flags": ["--ep-rebalance-every"]})
+    """With ``ep > 1``: every this many steps, move experts between ep ranks when the ranks'
+    routed load stayed skewed (CV above ``ep_rebalance_threshold``); weights and optimizer state
+    move exactly, so the loss is unchanged. 0 = never."""
+    ep_rebalance_threshold: float = field(
+        default=0.1, metadata={"flags": ["--ep-rebalance-threshold"]}
+    )
+    """Load CV over the ep ranks above which the rebalancer moves experts."""
     dp: int = field(default=-1, metadata={"flags": ["--dp"]})
     """Data-parallel degree; -1 = the rest (world size / (tp * pp * ep)). ``dp * tp * pp * ep``
     must equal the world size."""
@@ -205,6 +213,12 @@ class ParallelConfig:
                 "parallel.microbatches/pp_schedule are ignored with pp 1 (no pipeline)",
                 stacklevel=3,
             )
+        if self.ep_rebalance_every and self.ep == 1:
+            warnings.warn(
+                "parallel.ep_rebalance_every is ignored with ep=1: rebalancing moves experts "
+                "between ep ranks",
+                stacklevel=3,
+            )
         if self.zero_stage < 2 and (self.wrap != "block" or self.wrap_min_params != 100_000):
             warnings.warn(
                 "parallel.wrap/wrap_min_params are ignored with zero_stage < 2 (no FSDP units)",
@@ -251,6 +265,11 @@ class ParallelConfig:
         for name in ("tp", "pp", "ep", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep_rebalance_every < 0 or self.ep_rebalance_threshold < 0:
+            raise ValueError(
+                "parallel.ep_rebalance_every and parallel.ep_rebalance_threshold must be >= 0; "
+                f"got {self.ep_rebalance_every} and {self.ep_rebalance_threshold}"
+            )
         if self.dp != -1 and self.dp < 1:
             raise ValueError(f"parallel.dp must be >= 1 or -1 (the rest), got {self.dp}")
         if self.microbatches < 0:
@@ -270,10 +289,18 @@ class ParallelConfig:
                 "(FSDP2 over the dp axis), not with zero_stage 1 (ZeroRedundancyOptimizer "
                 "broadcasts whole parameters, not tensor-parallel shards)"
             )
-        if self.ep > 1 and (self.model_parallel or self.zero_stage):
+        if self.ep > 1 and (self.model_parallel or self.zero_stage == 1):
             raise ValueError(
-                f"parallel.ep={self.ep} combines with DDP (zero_stage 0) and tp = pp = 1 for now; "
-                f"got zero_stage={self.zero_stage}, tp={self.tp}, pp={self.pp}"
+                f"parallel.ep={self.ep} combines with DDP (zero_stage 0) or FSDP2 (zero_stage 2-3) "
+                f"and tp = pp = 1 for now (ZeroRedundancyOptimizer would broadcast one rank's "
+                f"experts over the others'); got zero_stage={self.zero_stage}, tp={self.tp}, "
+                f"pp={self.pp}"
+            )
+        if self.ep > 1 and self.zero_stage >= 2 and self.meta_init:
+            raise ValueError(
+                f"parallel.meta_init with ep={self.ep} and zero_stage {self.zero_stage} is not "
+                "built: the dp replicas of each expert would be initialised from different "
+                "seeds; build the model on the device (no meta_init)"
             )
         if self.pp_split and self.pp < 2:
             raise ValueError(f"parallel.pp_split={self.pp_split!r} needs parallel.pp > 1")

@@ -316,14 +316,17 @@ def clip_grad_norm_with_experts_(
     *,
     experts: Iterable[nn.Parameter],
     group: dist.ProcessGroup | None,
+    dense_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the global gradient norm of a model whose experts are sharded over ``group`` (ep).
 
     Each ep rank holds other experts, so a local norm misses the rest and every rank would clip
     by a different factor (the replicas of the dense parameters would drift apart). The squares
     of the expert gradients are summed over ``group``; the dense ones, equal on every rank after
-    the data-parallel average, count once (their local shards, for DTensors). Call after
-    :func:`reduce_expert_grads`, on every rank of ``group``. ``max_norm <= 0`` only measures.
+    the data-parallel average, count once (their local shards, for DTensors), unless
+    ``dense_group`` is given: then each rank holds a shard of them (FSDP2 over the dp x ep
+    ranks) and their squares are summed over it. Call after :func:`reduce_expert_grads`, on
+    every rank of ``group``. ``max_norm <= 0`` only measures.
 
     Returns:
         The total norm before clipping, equal on every rank.
@@ -340,7 +343,10 @@ def clip_grad_norm_with_experts_(
     expert_sq = squares[1:].clone()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(expert_sq, group=group)
-    norm = (squares[0] + expert_sq[0]).sqrt().float()
+    dense_sq = squares[:1].clone()
+    if dense_group is not None and dist.get_world_size(dense_group) > 1:
+        dist.all_reduce(dense_sq, group=dense_group)
+    norm = (dense_sq[0] + expert_sq[0]).sqrt().float()
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:

@@ -14,9 +14,11 @@ Forward of :class:`MoE` on ``x: [..., d_model]`` (``T`` tokens after flattening)
    rerun or a parallel run drops exactly the same tokens). A dropped slot contributes zero (the
    token still flows through the residual connection around the layer).
 3. **Run the experts** through one function, :meth:`MoE.run_experts`, which receives the grouped
-   tokens and ``tokens_per_expert``. Locally it calls :class:`GroupedExperts`; under expert
-   parallelism a dispatcher (:func:`~.expert.apply_ep`) sends each block of experts' tokens to
-   the rank holding those experts and brings the results back in the same order.
+   tokens and ``tokens_per_expert``, ordered by *slot* (the row of the stacked expert weights
+   holding the expert: ``expert_slot``, the identity until :mod:`.rebalance` moves experts).
+   Locally it calls :class:`GroupedExperts`; under expert parallelism a dispatcher
+   (:func:`~.expert.apply_ep`) sends each block of slots' tokens to the rank holding them and
+   brings the results back in the same order.
 4. **Combine**: each slot's output times its weight, summed per token; plus the shared experts
    (a dense FFN every token goes through) when ``num_shared_experts > 0``.
 
@@ -154,9 +156,9 @@ class MoEStats:
 
 
 class Dispatcher(Protocol):
-    """Replaces the local expert call: ``tokens`` grouped by (global) expert id, their counts
-    ``[num_experts]``, and the layer's (possibly sharded) experts; returns outputs in the same
-    row order as ``tokens``."""
+    """Replaces the local expert call: ``tokens`` grouped by (global) expert slot, their counts
+    ``[num_experts]`` per slot, and the layer's (possibly sharded) experts; returns outputs in
+    the same row order as ``tokens``."""
 
     def __call__(
         self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, experts: GroupedExperts
@@ -363,12 +365,19 @@ class MoE(nn.Module):
         self.register_buffer(
             "expert_bias", torch.zeros(config.num_experts, device=device, dtype=torch.float32)
         )
+        # Placement: expert e's weights are row ``expert_slot[e]`` of the stacked experts (under
+        # expert parallelism, on ep rank ``expert_slot[e] // (E / ep)``). The identity until the
+        # rebalancer (:mod:`.rebalance`) moves experts; checkpointed with the weights it indexes.
+        self.register_buffer(
+            "expert_slot", torch.arange(config.num_experts, device=device, dtype=torch.long)
+        )
         self.dispatcher: Dispatcher | None = None
         self._balance: tuple[Any, int] | None = None
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
-        # Not a buffer: DDP's buffer broadcast would overwrite each rank's own count with rank 0's.
+        # Not buffers: DDP's buffer broadcast would overwrite each rank's own count with rank 0's.
         self._load: torch.Tensor | None = None
+        self._totals: torch.Tensor | None = None  # [2, E] routed / kept slots, training forwards
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reset_parameters()
 
@@ -381,7 +390,9 @@ class MoE(nn.Module):
         if self.shared is not None:
             self.shared.reset_parameters()
         self.expert_bias.zero_()
+        self.expert_slot.copy_(torch.arange(self.config.num_experts))
         self._load = None
+        self._totals = None
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -400,7 +411,7 @@ class MoE(nn.Module):
 
         order, tokens_per_expert = self._group(slot_expert, weights.detach().reshape(-1), routed)
         token_of_slot = torch.div(order, cfg.top_k, rounding_mode="floor")
-        out = self.run_experts(flat[token_of_slot], tokens_per_expert)
+        out = self._run_placed(flat[token_of_slot], tokens_per_expert)
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         y = out.new_zeros(num_tokens, cfg.d_model).index_add(0, token_of_slot, out)
         if self.shared is not None:
@@ -408,16 +419,36 @@ class MoE(nn.Module):
 
         with torch.no_grad():
             self._last = (tokens_per_expert.detach(), routed.detach())
+            if self.training:
+                both = torch.stack([routed, tokens_per_expert]).to(torch.float64)
+                self._totals = both if self._totals is None else self._totals + both
             if self.training and cfg.bias_update_rate > 0:
                 if self._load is None or self._load.device != routed.device:
                     self._load = torch.zeros(cfg.num_experts, device=routed.device)
                 self._load += routed
         return y.reshape(x.shape)
 
+    def _run_placed(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert id -> grouped by slot (:attr:`expert_slot`) -> experts ->
+        back to expert order. Within an expert the rows keep their order (stable sort), so each
+        expert's output and gradient, and the combine, are bit-identical whatever the placement."""
+        slot = self.expert_slot
+        if slot.device != tokens_per_expert.device:
+            slot = slot.to(tokens_per_expert.device)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(len(slot), device=slot.device), tokens_per_expert
+        )
+        perm = torch.argsort(slot[expert_of_row], stable=True)
+        per_slot = torch.empty_like(tokens_per_expert)
+        per_slot[slot] = tokens_per_expert
+        out = self.run_experts(tokens[perm], per_slot)
+        return out[torch.argsort(perm)]
+
     def run_experts(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """The one place experts run: ``tokens`` grouped by global expert id with counts
-        ``tokens_per_expert: [num_experts]``; outputs in the same order. Expert parallelism
-        installs a :class:`Dispatcher` here."""
+        """The one place experts run: ``tokens`` grouped by expert *slot* (row of the stacked
+        experts; :attr:`expert_slot` maps expert ids to slots, the identity unless experts were
+        rebalanced) with counts ``tokens_per_expert: [num_experts]`` per slot; outputs in the
+        same order. Expert parallelism installs a :class:`Dispatcher` here."""
         if self.dispatcher is not None:
             return self.dispatcher(tokens, tokens_per_expert, self.experts)
         return self.experts(tokens, tokens_per_expert)
@@ -513,6 +544,13 @@ class MoE(nn.Module):
             dropped=int(sum(routed) - sum(kept)),
             load_cv=cv,
         )
+
+    @property
+    def totals(self) -> torch.Tensor | None:
+        """``[2, num_experts]`` float64: slots routed to (row 0) and kept by (row 1) each expert,
+        summed over every training forward of this layer on this rank (micro-batches included);
+        never reset, so each reader keeps its own snapshot. ``None`` before the first."""
+        return self._totals
 
     @property
     def load(self) -> torch.Tensor | None:

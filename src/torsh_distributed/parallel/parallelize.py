@@ -8,9 +8,11 @@ order (torchtitan's, for the same reasons):
    FSDP then shards over ``dp`` (a 2-D layout).
 2. **Expert parallelism** (:func:`~.expert.apply_ep`): every MoE layer keeps its ``num_experts /
    ep`` experts of this rank of the ``ep`` axis and exchanges tokens by all-to-all; before
-   checkpointing (which must see the dispatching layer) and before DDP, which then averages only
-   the dense parameters over the ``dp * ep`` data-parallel ranks (the experts' gradients are
-   reduced over their ``dp`` group by :func:`~.expert.reduce_expert_grads`).
+   checkpointing (which must see the dispatching layer) and before DDP or FSDP2, which then
+   average (DDP) or shard and reduce-scatter (FSDP2, over :meth:`ParallelDims.data_mesh`) only
+   the dense parameters over the ``dp * ep`` data-parallel ranks; the experts stay out of them
+   (sharded over ``ep``, replicated over ``dp``) and their gradients are reduced over their
+   ``dp`` group by :func:`~.expert.reduce_expert_grads`.
 3. **Activation checkpointing** of the repeated blocks (every block or every k-th): wraps blocks,
    so it must come after TP (which addresses modules inside them) and before FSDP (which shards
    a checkpoint-wrapped block as one unit).
@@ -158,14 +160,17 @@ def parallelize(
             block.compile()
     # 5. data parallelism
     if config.zero_stage >= 2:
+        # ep > 1: dense parameters sharded over the dp x ep ranks; the experts stay out of FSDP
+        # (sharded over ep, replicated over dp, their gradients reduced by reduce_expert_grads)
         return apply_fsdp(
             model,
-            dims.mesh["dp"],
+            dims.data_mesh(),
             stage=config.zero_stage,
             units=_fsdp_units(model, config, blocks),
             param_dtype=config.param_dtype,
             reduce_dtype=config.reduce_dtype,
             offload=config.offload,
+            ignored_params=set(expert_parameters(model)) if experts else None,
         )
     if config.param_dtype != "fp32":  # DDP has no public mixed precision: autocast
         apply_autocast(model, dtype=config.param_dtype, device_type=device.type)

@@ -90,6 +90,7 @@ def apply_fsdp(
     param_dtype: str = "fp32",
     reduce_dtype: str = "fp32",
     offload: str = "none",
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 as ZeRO ``stage`` 2 or 3 and return it.
 
@@ -107,6 +108,8 @@ def apply_fsdp(
             fp32; fp16 needs loss scaling, :class:`.precision.LossScaler`).
         reduce_dtype: Dtype of the gradient reduce-scatter.
         offload: ``cpu`` = torch's CPUOffloadPolicy (shards and the optimizer step on the host).
+        ignored_params: Parameters FSDP2 leaves alone (neither sharded nor reduced): the
+            experts of an expert-parallel model, which other ranks hold other values of.
 
     Raises:
         ValueError: stage is not 2 or 3, or an unknown dtype / offload.
@@ -124,6 +127,8 @@ def apply_fsdp(
     )
     mixed = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kwargs = {"mesh": mesh, "reshard_after_forward": stage == 3, "offload_policy": policy}
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params
     if param_dtype != "fp32" or reduce_dtype != "fp32":
         kwargs["mp_policy"] = mixed
     for unit in units:

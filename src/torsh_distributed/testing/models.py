@@ -6,6 +6,8 @@
   whose attention projections are separate ``q``/``k``/``v``/``o`` linears, written to the
   pipeline contract (its forward skips modules a stage does not hold) and to the tensor-parallel
   one (it reshapes by ``-1`` heads, so a rank with ``n_head / tp`` heads works);
+* :class:`SkewedMoENet` — a classifier around one :class:`~torsh_distributed.parallel.moe.MoE`
+  layer whose selection bias sends every token to the first half of the experts;
 * deterministic synthetic datasets of ``(input, target)`` pairs.
 
 Everything is a pure function of its arguments and the global seed, so every rank builds the
@@ -21,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from torsh_distributed.parallel.moe import MoE, MoEConfig
 from torsh_distributed.parallel.tp_plan import TPPlan
 
 __all__ = [
+    "SkewedMoENet",
     "TinyLM",
     "PairDataset",
     "mlp",
@@ -189,3 +193,34 @@ def tiny_lm_plan() -> TPPlan:
             "layers.*.fc2": "rowwise",
         }
     )
+
+
+class SkewedMoENet(nn.Module):
+    """``Linear(d_in, d_model) -> relu -> MoE -> Linear(d_model, classes)`` with a deliberately
+    skewed router: the selection bias (+1 for the first half of the experts, -1 for the rest;
+    router scores lie in (0, 1)) sends every token to experts ``0 .. E/2 - 1``, which expert
+    parallelism places on the first ranks. For testing and measuring load rebalancing."""
+
+    def __init__(
+        self,
+        d_in: int = 16,
+        d_model: int = 16,
+        d_hidden: int = 32,
+        classes: int = 4,
+        num_experts: int = 4,
+        top_k: int = 1,
+    ) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, d_model)
+        self.moe = MoE(
+            MoEConfig(num_experts=num_experts, d_model=d_model, d_hidden=d_hidden, top_k=top_k)
+        )
+        self.out = nn.Linear(d_model, classes)
+        half = num_experts // 2
+        with torch.no_grad():
+            self.moe.expert_bias.copy_(
+                torch.tensor([1.0] * half + [-1.0] * (num_experts - half))
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.moe(torch.relu(self.inp(x))))

@@ -10,6 +10,7 @@ from torsh_distributed.checkpoint.manager import (
     CheckpointInfo,
     CheckpointManager,
     LoadedCheckpoint,
+    latest_valid,
     scan,
     step_dir_name,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointManager",
     "LoadedCheckpoint",
     "Verdict",
+    "latest_valid",
     "scan",
     "step_dir_name",
     "verify",

@@ -41,7 +41,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,10 @@ from torsh_distributed.checkpoint.resume import capture_rng, restore_rng
 from torsh_distributed.comm.dims import side_group
 from torsh_distributed.runtime.errors import CheckpointError
 
-__all__ = ["CheckpointManager", "CheckpointInfo", "LoadedCheckpoint", "step_dir_name", "scan"]
+__all__ = [
+    "CheckpointManager", "CheckpointInfo", "LoadedCheckpoint", "latest_valid", "step_dir_name",
+    "scan",
+]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +171,21 @@ def scan(directory: str | Path, *, deep: bool = True) -> list[CheckpointInfo]:
             )
         )
     return infos
+
+
+def latest_valid(directory: str | Path) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
+    """The newest checkpoint of ``directory`` that verifies (re-hashed), and the newer invalid
+    ones skipped to reach it (newest first). Only checkpoints up to the chosen one are re-hashed.
+    What :meth:`CheckpointManager.load` resumes from, and what inference loads."""
+    skipped = []
+    for info in scan(directory, deep=False):
+        verdict = manifest.verify(info.path) if info.valid else None
+        if verdict is not None and verdict.valid:
+            return replace(info, meta=verdict.meta), skipped
+        if verdict is not None:
+            info = replace(info, valid=False, reason=verdict.reason, file=verdict.file)
+        skipped.append(info)
+    return None, skipped
 
 
 def _distributed() -> bool:
@@ -468,10 +486,9 @@ class CheckpointManager:
                 else:
                     error = verdict.describe()
             else:
-                for info in scan(self.directory):
-                    if info.valid:
-                        chosen = info.step
-                        break
+                best, bad = latest_valid(self.directory)
+                chosen = best.step if best is not None else -1
+                for info in bad:
                     line = f"{info.path}: INVALID ({info.file}): {info.reason}"
                     skipped.append(line)
                     warnings.warn(f"skipping checkpoint {line}", stacklevel=3)

@@ -4,9 +4,10 @@
 ``step_end(step, losses)`` after every step, ``finish(step, losses)`` after the loop. What a
 checkpoint holds besides model and optimizer: the data position (the step; see
 :mod:`~torsh_distributed.checkpoint.resume`), the loss history (so a resumed run reports every
-step), a hash of the settings that change the computation, small JSON state that is equal on
-every rank (the fp16 loss scale) and per-rank tensor state (gradient-compression residuals and
-PowerSGD factors, in ``rank_R.pt``).
+step), what the model is (``extra["model"]``: for the built-in GPT its shape, MoE section and
+tokenizer, read back by :mod:`torsh_distributed.inference.load`), a hash of the settings that
+change the computation, small JSON state that is equal on every rank (the fp16 loss scale) and
+per-rank tensor state (gradient-compression residuals and PowerSGD factors, in ``rank_R.pt``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class RunCheckpoint:
             saved with another one is refused on resume.
         sampler: The training sampler; its settings (kind, dataset size, seed, global batch)
             are saved, and a resume under other settings is refused (the data would not continue).
+        model_info: JSON describing the model (how inference rebuilds it), saved as
+            ``extra["model"]``; empty = not saved.
     """
 
     def __init__(
@@ -88,7 +91,9 @@ class RunCheckpoint:
         rank_state: Mapping[str, Any] | None = None,
         layout: Mapping[str, Any] | None = None,
         sampler: GlobalSampler | None = None,
+        model_info: Mapping[str, Any] | None = None,
     ) -> None:
+        self.model_info = dict(model_info or {})
         self.seed, self.batch_size, self.max_steps = seed, batch_size, max_steps
         self.sampler = sampler
         self.json_state = dict(json_state or {})
@@ -204,6 +209,7 @@ class RunCheckpoint:
                 "losses": losses,
                 "state": {name: obj.state_dict() for name, obj in self.json_state.items()},
                 **({"sampler": self.sampler.state_dict()} if self.sampler is not None else {}),
+                **({"model": self.model_info} if self.model_info else {}),
             },
             rank_tensors={name: obj.state_dict() for name, obj in self.rank_state.items()},
             metric=sum(tail) / len(tail) if tail else None,

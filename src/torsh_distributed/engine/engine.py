@@ -66,7 +66,7 @@ from torsh_distributed.engine._moe import MoEHooks
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.optim import build_optimizer, lr_at
 from torsh_distributed.engine.progress import Progress
-from torsh_distributed.engine.result import TrainResult, print_summary, write_json_atomic
+from torsh_distributed.engine.result import TrainResult, report_result
 from torsh_distributed.monitor.step import StepMonitor
 from torsh_distributed.parallel.data import no_grad_sync
 from torsh_distributed.parallel.precision import LossScaler
@@ -132,6 +132,9 @@ class Engine:
             the peak-memory prediction (``None``: predicted without activations).
         settings: Further settings that change the computation (model shape, data): hashed
             into checkpoints, which are refused by a run with other settings.
+        model_info: JSON describing the model for whoever loads its checkpoints (the built-in
+            trainer: :func:`~torsh_distributed.models.config.gpt_model_info`); stored in each
+            checkpoint's ``meta.json`` (``extra["model"]``), not hashed.
         name: Shown in the progress bar and the first line.
         describe: Extra text for the first line (e.g. the corpus).
     """
@@ -153,6 +156,7 @@ class Engine:
         tokens_per_sample: int = 0,
         activation_bytes: Callable[[int], int] | None = None,
         settings: Mapping[str, Any] | None = None,
+        model_info: Mapping[str, Any] | None = None,
         name: str = "train",
         describe: str = "",
     ) -> None:
@@ -177,6 +181,7 @@ class Engine:
         self.tokens_per_sample = tokens_per_sample
         self.activation_bytes = activation_bytes
         self.settings = dict(settings or {})
+        self.model_info = dict(model_info or {})
         self.name, self.describe = name, describe
         optim = self.config.optim
         if optimizer is not None and dataclasses.replace(optim, grad_clip=1.0) != type(optim)():
@@ -325,6 +330,7 @@ class Engine:
                 rank_state={"compression": compression.stateful},
                 layout={"tp": dims.tp} if run.tp_plan is not None and run.tp_plan.prepare else None,
                 sampler=self.train_sampler,
+                model_info=self.model_info,
             )
             stack.callback(ckpt.close)
             start_step, losses = ckpt.resume()
@@ -411,6 +417,7 @@ class Engine:
                 return float(global_mean(total / cfg.eval_batches))
 
             val_loss = float("nan")
+            val_history: list[tuple[int, float]] = []  # (step, val loss) of each evaluation
             loop_time = 0.0
             for step in range(start_step, cfg.max_steps):
                 t0 = time.perf_counter()
@@ -460,6 +467,7 @@ class Engine:
                 ckpt.step_end(step + 1, losses)  # save if due
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
                     val_loss = evaluate()
+                    val_history.append((step + 1, val_loss))
                     if runtime.is_main:
                         write(f"step {step + 1}: val loss {val_loss:.4f}")
                 if (step + 1) % cfg.log_every == 0 or step == start_step or step + 1 == cfg.max_steps:
@@ -476,6 +484,8 @@ class Engine:
             ckpt.finish(cfg.max_steps, losses)  # final save, wait for async saves
             comm.finish(main=runtime.is_main)  # merged Chrome trace on rank 0
             val_loss = evaluate()
+            if self.val_sampler is not None:
+                val_history.append((cfg.max_steps, val_loss))
             if not losses:
                 raise ValueError(f"nothing to train: the run is at step {start_step} of {cfg.max_steps}")
             tail = losses[-min(10, len(losses)) :]
@@ -487,6 +497,7 @@ class Engine:
                 initial_loss=losses[0],
                 final_loss=sum(tail) / len(tail),
                 val_loss=val_loss,
+                val_history=val_history,
                 samples_per_s=samples_per_s,
                 tokens_per_s=samples_per_s * self.tokens_per_sample,
                 world_size=runtime.world_size,
@@ -501,10 +512,14 @@ class Engine:
                 precision=scaler.summary(),
                 moe=moe.summary(),
             )
-            if runtime.is_main:
-                print_summary(result)
-                if cfg.summary_json:
-                    write_json_atomic(cfg.summary_json, result.summary())
+            if runtime.is_main:  # the table, --summary-json, --plot
+                report_result(
+                    result,
+                    summary_json=cfg.summary_json,
+                    plot=cfg.monitor.plot,
+                    title=f"{self.name}: {built.num_params / 1e6:.2f}M params, dp {dims.dp} x "
+                    f"tp {dims.tp} x pp {dims.pp} x ep {dims.ep}",
+                )
             return result
 
     # --- pieces of the step ----------------------------------------------------------------

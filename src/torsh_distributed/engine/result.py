@@ -1,4 +1,4 @@
-"""What a training run returns, and its summary (the table and the JSON file)."""
+"""What a training run returns, and its summary (the table, the JSON file, the loss curve)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any
 
 from torsh_distributed.engine._memory import for_table
 from torsh_distributed.engine.progress import format_summary
+from torsh_distributed.monitor.plot import plot_loss_curve
 
-__all__ = ["TrainResult", "print_summary", "write_json_atomic"]
+__all__ = ["TrainResult", "print_summary", "report_result", "write_json_atomic"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,6 +28,9 @@ class TrainResult:
     """Mean loss of the last ``min(10, steps)`` steps (less noisy than the last step alone)."""
     val_loss: float
     """Validation loss at the end (NaN without a validation set)."""
+    val_history: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    """``(step, validation loss)`` of every evaluation of this process's run (``eval_every``
+    and the final one; not those before a resume); empty without a validation set."""
     samples_per_s: float
     """Training samples per second, all ranks together, over the training loop's wall time."""
     tokens_per_s: float
@@ -55,9 +59,10 @@ class TrainResult:
     """MoE layers: tokens per expert over the run (all ranks), dropped share, load CV; {} without."""
 
     def summary(self) -> dict[str, Any]:
-        """The summary fields (everything except the per-step losses)."""
+        """The summary fields (everything except the per-step and per-evaluation losses)."""
         data = asdict(self)
         data.pop("losses")
+        data.pop("val_history")
         return data
 
 
@@ -81,3 +86,15 @@ def print_summary(result: TrainResult) -> None:
         hidden.add("tokens_per_s")
     table = {k: v for k, v in result.summary().items() if k not in hidden}
     print(format_summary(for_table(table)), flush=True)
+
+
+def report_result(result: TrainResult, *, summary_json: str = "", plot: str = "", title: str = "") -> None:
+    """Rank 0's end-of-run output: the table, then the JSON summary (``summary_json``) and the
+    loss curve (``plot``, see :func:`~torsh_distributed.monitor.plot.plot_loss_curve`) when
+    their paths are given."""
+    print_summary(result)
+    if summary_json:
+        write_json_atomic(summary_json, result.summary())
+    if plot:
+        plot_loss_curve(plot, losses=result.losses, val_points=result.val_history, title=title)
+        print(f"loss curve written to {plot}", flush=True)

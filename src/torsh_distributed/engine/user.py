@@ -187,4 +187,5 @@ class UserFactories:
             config=config,
             tp_plan=self.plan(),
             settings={"model": self.model, "dataset": self.dataset, "loss": self.loss},
+            model_info={"kind": "factory", "factory": self.model},
         )

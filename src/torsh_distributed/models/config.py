@@ -1,12 +1,15 @@
-"""Shape of the built-in GPT (torch-free, so that the CLI validates configs fast)."""
+"""Shape of the built-in GPT (torch-free, so that the CLI validates configs fast), and the JSON
+that checkpoints record about it for inference (:func:`gpt_model_info`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from torsh_distributed._checks import positive as _positive
 
-__all__ = ["ModelConfig", "MoESection"]
+__all__ = ["GPT_KIND", "ModelConfig", "MoESection", "gpt_config_from_info", "gpt_model_info"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,3 +89,44 @@ class MoESection:
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+
+GPT_KIND = "torsh_distributed.models.gpt.GPT"
+"""``kind`` of :func:`gpt_model_info`: the built-in GPT."""
+
+
+def gpt_model_info(config: ModelConfig, moe: MoESection | None = None) -> dict[str, Any]:
+    """What a checkpoint records about the built-in GPT so that inference can rebuild it.
+
+    The trainer stores this JSON in every checkpoint's ``meta.json`` (``extra["model"]``);
+    :func:`gpt_config_from_info` reads it back. The tokenizer is byte-level: token ``i`` is the
+    byte ``i`` of UTF-8 text.
+    """
+    return {
+        "kind": GPT_KIND,
+        "config": asdict(config),
+        "moe": asdict(moe if moe is not None else MoESection()),
+        "tokenizer": {"kind": "bytes"},
+    }
+
+
+def gpt_config_from_info(info: Mapping[str, Any]) -> tuple[ModelConfig, MoESection | None]:
+    """The GPT's shape and MoE section (``None`` for a dense model) from :func:`gpt_model_info`.
+
+    Raises:
+        ValueError: ``info`` describes another model, or holds fields this version does not know.
+    """
+    if info.get("kind") != GPT_KIND:
+        raise ValueError(f"model info of kind {info.get('kind')!r}, expected {GPT_KIND!r}")
+    sections: list[Any] = []
+    for name, cls in (("config", ModelConfig), ("moe", MoESection)):
+        values = dict(info.get(name) or {})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(
+                f"model info {name!r} has fields {sorted(unknown)} that this version of "
+                "torsh-distributed does not know (written by a newer version?)"
+            )
+        sections.append(cls(**values))
+    config, moe = sections
+    return config, moe if moe.enabled else None

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torsh_distributed.models.config import ModelConfig, MoESection
 from torsh_distributed.parallel.moe import MoE, MoEConfig, moe_layers
+
+if TYPE_CHECKING:
+    from torsh_distributed.inference.cache import KVCache, LayerKV
 
 __all__ = ["GPT", "Block", "lm_loss"]
 
@@ -23,16 +28,35 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv: LayerKV | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal self-attention of ``x``; with ``kv``, over the cached slots too.
+
+        Args:
+            x: ``(batch, seq, d_model)``.
+            kv: This layer's KV cache (incremental decoding): ``x`` holds the new slots only.
+            attn_mask: The cache step's mask (:class:`~torsh_distributed.inference.cache.CacheStep`).
+        """
         batch, seq, _ = x.shape
         # chunk/-1 rather than the full width: under tensor parallelism qkv yields only
-        # this rank's heads, grouped [q | k | v] per rank (see models/gpt_tp.py)
+        # this rank's heads, grouped [q | k | v] per rank (see models/gpt_tp.py), so the
+        # KV cache holds this rank's heads only
         q, k, v = self.qkv(x).chunk(3, dim=2)
         shape = (batch, seq, -1, self.head_dim)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if kv is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        else:
+            k, v = kv.update(k, v)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -57,14 +81,20 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model)
         self.mlp: nn.Module = MLP(config) if moe is None else MoE(moe)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv: LayerKV | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), kv, attn_mask)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """Decoder-only transformer over bytes: ``forward(idx)`` returns logits,
-    ``forward(idx, targets)`` ``(logits, loss)``; splittable into pipeline stages at ``blocks.<i>``."""
+    ``forward(idx, targets)`` ``(logits, loss)``; splittable into pipeline stages at ``blocks.<i>``;
+    ``forward_cached(idx, cache)`` decodes incrementally with a KV cache (inference)."""
 
     def __init__(self, config: ModelConfig, moe: MoESection | None = None) -> None:
         super().__init__()
@@ -120,6 +150,11 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def max_seq_len(self) -> int:
+        """The context length (``config.block_size``): positions beyond it have no embedding."""
+        return self.config.block_size
+
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +191,38 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return logits, lm_loss(logits, targets)
+
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits of the new tokens ``idx`` given the ones already in ``cache`` (incremental
+        decoding, :mod:`torsh_distributed.inference`); equal to :meth:`forward` on the whole
+        sequence at those positions, up to floating-point rounding.
+
+        Works on the whole model, unsharded or tensor-parallel by :func:`gpt_tp_plan` without
+        sequence parallelism (the cache then holds this rank's heads). Logits are a ``DTensor``
+        sharded over the vocabulary under a ``loss_parallel`` plan.
+
+        Args:
+            idx: New token ids ``(batch, t)``: the (left-padded) prompts, then one per step.
+            cache: The sequences' :class:`~torsh_distributed.inference.cache.KVCache`, updated.
+
+        Raises:
+            ValueError: a pipeline stage (no embeddings or no head), a sequence-parallel
+                model, or a position past ``block_size``.
+        """
+        if self.tok_emb is None or self.pos_emb is None or self.head is None or self.ln_f is None:
+            raise ValueError("forward_cached needs the whole GPT, not a pipeline stage of it")
+        if isinstance(self.ln_f.weight, DTensor):
+            # only sequence parallelism makes the norms DTensors; it shards the sequence, which
+            # one new token per step cannot be
+            raise ValueError(
+                "forward_cached does not support sequence parallelism: shard the model with "
+                "gpt_tp_plan(sequence_parallel=False) for inference (same weights)"
+            )
+        step = cache.begin(idx.shape[1], max_positions=self.config.block_size)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(step.positions))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache.layer(i), step.mask)
+        return self.head(self.ln_f(x))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""The trainer's ``monitor`` section: metrics, Prometheus, dashboard, alerts, bottleneck report."""
+"""The trainer's ``monitor`` section: metrics, Prometheus, dashboard, alerts, bottleneck report,
+loss-curve plot."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from torsh_distributed.monitor.plot import FORMATS, check_available
 
 __all__ = ["MonitorConfig"]
 
@@ -34,6 +37,10 @@ class MonitorConfig:
     trace: str = field(default="", metadata={"flags": ["--monitor-trace"]})
     """Write one merged, time-aligned Chrome trace of every rank's step phases (plus profiled
     collectives) here at the end (rank 0); empty = no trace. Keeps ~6 tuples per step in memory."""
+    plot: str = field(default="", metadata={"flags": ["--plot"]})
+    """Write the loss curve (training loss per step, validation points) to this PNG (or .svg,
+    .pdf) at the end of the run (rank 0); needs matplotlib (``pip install
+    'torsh-distributed[plot]'``). Empty = no plot. Does not turn monitoring on."""
     job: str = field(default="torsh", metadata={"flags": ["--metrics-job"]})
     """Value of the ``job`` label on every exported metric."""
     anomaly_window: int = 50
@@ -58,6 +65,12 @@ class MonitorConfig:
             raise ValueError(f"monitor.anomaly_z must be > 0, got {self.anomaly_z}")
         if not self.job:
             raise ValueError("monitor.job must be a non-empty label value")
+        if self.plot:
+            if not self.plot.lower().endswith(FORMATS):
+                raise ValueError(
+                    f"monitor.plot (--plot) must end in {', '.join(FORMATS)}, got {self.plot!r}"
+                )
+            check_available("monitor.plot (--plot)")  # before any rank starts
 
     @property
     def active(self) -> bool:

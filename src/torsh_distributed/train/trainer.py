@@ -14,6 +14,7 @@ import dataclasses
 from torsh_distributed.data.corpus import TokenWindows, load_corpus
 from torsh_distributed.engine.engine import Engine
 from torsh_distributed.engine.result import TrainResult
+from torsh_distributed.models.config import gpt_model_info
 from torsh_distributed.models.gpt import GPT, lm_loss
 from torsh_distributed.models.gpt_tp import check_gpt_tp, gpt_tp_plan
 from torsh_distributed.plan.memory import activation_bytes
@@ -71,6 +72,7 @@ def gpt_engine(config: TrainConfig) -> Engine:
             "data": dataclasses.asdict(config.data),
             "moe": dataclasses.asdict(config.moe),
         },
+        model_info=gpt_model_info(model, config.moe),
         describe=(
             f" x {model.block_size} tokens, corpus {corpus.train.numel() / 1e6:.2f}M train / "
             f"{corpus.val.numel() / 1e6:.2f}M val bytes from {corpus.num_files} files"

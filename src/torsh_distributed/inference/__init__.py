@@ -1,0 +1,38 @@
+"""Inference: generation with a KV cache, tensor-parallel decoding, batch generation.
+
+* :mod:`.generate` — :func:`generate`, :func:`generate_batch`, :class:`TextGenerator`,
+  :class:`GenerationResult`;
+* :mod:`.sampling` — :class:`SamplingConfig` (greedy, temperature, top-k, top-p, seed, stops);
+* :mod:`.cache` — :class:`KVCache`, the cache a model's ``forward_cached`` fills;
+* :mod:`.protocol` — what a model must provide (:class:`CausalLM`, :class:`CachedCausalLM`);
+* :mod:`.text` — the byte-level tokenizer of the built-in models.
+
+See ``docs/inference.md``. (The function :func:`generate` is bound here after its module is
+imported, so ``from torsh_distributed.inference import generate`` is the function.)
+"""
+
+from __future__ import annotations
+
+from torsh_distributed.inference.cache import KVCache
+from torsh_distributed.inference.generate import (
+    GenerationResult,
+    TextGenerator,
+    generate,
+    generate_batch,
+)
+from torsh_distributed.inference.protocol import CachedCausalLM, CausalLM
+from torsh_distributed.inference.sampling import SamplingConfig
+from torsh_distributed.inference.text import decode_bytes, encode_bytes
+
+__all__ = [
+    "CachedCausalLM",
+    "CausalLM",
+    "GenerationResult",
+    "KVCache",
+    "SamplingConfig",
+    "TextGenerator",
+    "decode_bytes",
+    "encode_bytes",
+    "generate",
+    "generate_batch",
+]

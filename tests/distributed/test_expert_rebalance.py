@@ -27,6 +27,7 @@ def _train(
     from torsh_distributed.checkpoint.config import CheckpointConfig
     from torsh_distributed.engine import Engine
     from torsh_distributed.engine.config import EngineConfig, OptimConfig
+    from torsh_distributed.monitor.config import MonitorConfig
     from torsh_distributed.parallel.config import ParallelConfig
     from torsh_distributed.testing import models as M
 
@@ -37,12 +38,14 @@ def _train(
         progress=False,
         optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=clip),
         parallel=ParallelConfig(ep=ep, ep_rebalance_every=every),
+        monitor=MonitorConfig(enabled=True, every=2),
         checkpoint=CheckpointConfig(dir=directory, every=3, resume=resume or "auto")
         if directory
         else CheckpointConfig(),
     )
     result = Engine(M.SkewedMoENet, dataset=M.classification_data(), config=config).fit()
-    return {"losses": result.losses, "moe": result.moe}
+    custom = (result.monitor or {}).get("custom", {})
+    return {"losses": result.losses, "moe": result.moe, "ep_cv": custom.get("moe_ep_load_cv")}
 
 
 def test_rebalancer_evens_the_ranks_and_keeps_the_losses():
@@ -63,6 +66,9 @@ def test_rebalancer_evens_the_ranks_and_keeps_the_losses():
     assert slots[0] // 2 != slots[1] // 2  # the two busy experts now live on different ranks
     assert layer_moved["tokens_per_ep_rank"][1] > 0
     assert moved["moe"]["ep_load_cv"] < plain["moe"]["ep_load_cv"]
+    # the step monitor sees it too (this rank's tokens over the ep ranks, last aggregation)
+    assert plain["ep_cv"]["last"] == pytest.approx(1.0)
+    assert moved["ep_cv"]["last"] < 0.9
     # identical routing: the same tokens per expert in both runs
     assert layer_moved["tokens_per_expert"] == layer_plain["tokens_per_expert"]
 

@@ -14,7 +14,8 @@
 * :meth:`MoEHooks.after_step`: the aux-loss-free selection bias moves with the load summed
   over every data-parallel rank (so all replicas keep the same bias), the load statistics of
   the step (tokens per expert, dropped slots, coefficient of variation; every micro-batch) are
-  accumulated and logged to the step monitor (``moe_load_cv``, ``moe_dropped``), and with
+  accumulated and logged to the step monitor (``moe_load_cv``, ``moe_dropped``, with ep > 1
+  ``moe_ep_load_cv``: the CV of this rank's slots over the ep ranks computing them), and with
   ``parallel.ep_rebalance_every`` the :class:`~torsh_distributed.parallel.rebalance.ExpertRebalancer`
   moves experts between ep ranks when their load stays skewed.
 * :meth:`MoEHooks.summary`: the ``moe`` block of the run summary, over all ranks and steps.
@@ -87,7 +88,16 @@ class MoEHooks:
     @property
     def metric_names(self) -> tuple[str, ...]:
         """Custom metrics the step monitor must declare."""
-        return ("moe_load_cv", "moe_dropped") if self.on else ()
+        if not self.on:
+            return ()
+        return (
+            ("moe_load_cv", "moe_dropped", "moe_ep_load_cv")
+            if self.dims.ep > 1
+            else (
+                "moe_load_cv",
+                "moe_dropped",
+            )
+        )
 
     def add_losses(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` plus every MoE layer's auxiliary loss of the forward just run."""
@@ -133,7 +143,7 @@ class MoEHooks:
         group = self.dims.data_group() if self.dims.data_degree > 1 else None
         if self.balancing:
             update_moe_biases(self.model, group=group)
-        cvs, dropped = [], 0.0
+        cvs, rank_cvs, dropped = [], [], 0.0
         for i, layer in enumerate(self.layers):
             totals = layer.totals
             if totals is None:
@@ -145,13 +155,17 @@ class MoEHooks:
             self._routed[i, :num] += routed
             self._kept[i, :num] += kept
             local = num // self.dims.ep
-            self._ranks[i].index_add_(0, layer.expert_slot.detach().cpu() // local, routed)
-            mean = float(routed.mean())
-            cvs.append(float(routed.std(unbiased=False)) / mean if mean > 0 else 0.0)
+            per_rank = torch.zeros(self.dims.ep, dtype=torch.float64)
+            per_rank.index_add_(0, layer.expert_slot.detach().cpu() // local, routed)
+            self._ranks[i] += per_rank
+            cvs.append(_cv(routed))
+            rank_cvs.append(_cv(per_rank))
             dropped += float(routed.sum() - kept.sum())
         if cvs:
             monitor.log("moe_load_cv", sum(cvs) / len(cvs))  # this rank's routing, mean of layers
             monitor.log("moe_dropped", dropped)
+            if self.dims.ep > 1:  # this rank's tokens over the ep ranks computing them
+                monitor.log("moe_ep_load_cv", sum(rank_cvs) / len(rank_cvs))
         if self.rebalancer is not None:
             self.rebalancer.step(step)
 

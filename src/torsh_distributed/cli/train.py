@@ -45,6 +45,8 @@ examples:
   torsh-dist train --nproc-per-node 4 --preset tiny --max-steps 50 --batch-size 64 --lr 2e-3
   torsh-dist train --preset small --model.n-layer 6 --summary-json runs/small.json
   torsh-dist run --nproc-per-node 2 -m torsh_distributed.train --preset tiny   # same, via run
+  # a DeepSpeed JSON config: every key reported as applied / mapped / unsupported
+  torsh-dist train --nproc-per-node 2 --deepspeed ds_config.json [--strict]
 """
 
 
@@ -224,12 +226,55 @@ def _check_world(config: TrainConfig, world_size: int, user: UserFactories | Non
     plan_run(config, world_size=world_size, tp_plan=plan)
 
 
+def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--deepspeed FILE`` and ``--strict``."""
+    group = parser.add_argument_group(
+        "DeepSpeed config (see docs/deepspeed.md; explicit flags must not contradict it)"
+    )
+    group.add_argument(
+        "--deepspeed", metavar="FILE",
+        help="a DeepSpeed JSON config mapped onto these settings; every key is reported as "
+        "applied, mapped or unsupported (\"auto\" resolves from the flags, as Hugging Face does)",
+    )
+    group.add_argument(
+        "--strict", action="store_true", help="refuse a DeepSpeed config with unsupported keys"
+    )
+
+
+def _apply_deepspeed(
+    args: argparse.Namespace, config: TrainConfig, world_size: int, user: UserFactories | None
+) -> TrainConfig:
+    from torsh_distributed.compat.deepspeed import import_deepspeed
+
+    sections = TrainConfig.sections()
+    explicit = {
+        k: v
+        for k, v in vars(args).items()
+        if v is not None and (k.rpartition(".")[0] in sections or k in TrainConfig.__dataclass_fields__)
+    }
+    config, report = import_deepspeed(
+        args.deepspeed,
+        config,
+        world_size=world_size,
+        explicit=explicit,
+        hidden_size=config.model.d_model if user is None else None,
+        strict=args.strict,
+    )
+    print(report.format(), flush=True)
+    return config
+
+
 def _handle(args: argparse.Namespace) -> int:
     from torsh_distributed.cli.run import options_from_args
 
     config = config_from_args(args)
     user = user_factories(args)
     options = options_from_args(args)
+    if getattr(args, "deepspeed", None):
+        nodes = int(options.nnodes.split(":")[0])  # an elastic range: its minimum
+        config = _apply_deepspeed(args, config, options.nproc_per_node * nodes, user)
+    elif getattr(args, "strict", False):
+        raise ValueError("--strict applies to --deepspeed FILE")
     inside_launch = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
@@ -277,6 +322,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_launch_arguments(parser)
     add_user_model_arguments(parser)
     add_config_arguments(parser)
+    add_deepspeed_arguments(parser)
     parser.set_defaults(handler=_handle)
 
 

@@ -14,10 +14,11 @@ from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
-__all__ = ["EngineConfig", "OptimConfig", "OPTIMIZERS"]
+__all__ = ["EngineConfig", "OptimConfig", "OPTIMIZERS", "SCHEDULES"]
 
 
 OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,11 +26,17 @@ class OptimConfig:
     """AdamW (or SGD) with linear warm-up then cosine decay."""
 
     optimizer: str = "adamw"
-    """``adamw`` (betas 0.9, 0.95) or ``sgd`` (plain, or heavy-ball with ``momentum``). Error
+    """``adamw`` (``beta1``, ``beta2``, ``eps``) or ``sgd`` (plain, or heavy-ball with ``momentum``). Error
     feedback's guarantees are for SGD: sparse and sign compressors that lag under AdamW train
     like uncompressed SGD (docs/compression.md)."""
     momentum: float = 0.0
     """SGD momentum in [0, 1) (0 = plain SGD); ``sgd`` only."""
+    beta1: float = 0.9
+    """AdamW's first-moment decay."""
+    beta2: float = 0.95
+    """AdamW's second-moment decay (0.95 suits short LM runs; 0.999 is torch's default)."""
+    eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     lr: float = 3e-3
     """Peak learning rate (SGD needs a larger one than AdamW: 0.5 for the tiny preset)."""
     weight_decay: float = 0.01
@@ -37,8 +44,11 @@ class OptimConfig:
     L2 for SGD."""
     warmup_steps: int = 10
     """Steps of linear warm-up from 0 to ``lr``."""
+    schedule: str = "cosine"
+    """After warm-up: ``cosine`` decay, ``linear`` decay (to ``min_lr_ratio * lr`` at
+    ``max_steps``) or ``constant``."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of ``lr`` at the end of the cosine decay."""
+    """Final learning rate as a fraction of ``lr`` at the end of the decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
@@ -55,6 +65,14 @@ class OptimConfig:
                 "whose moments are fixed)"
             )
         _positive("optim", "lr", self.lr)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        _positive("optim", "eps", self.eps)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if self.warmup_steps < 0:

@@ -18,12 +18,17 @@ __all__ = ["build_optimizer", "lr_at"]
 
 
 def lr_at(step: int, *, optim: OptimConfig, max_steps: int) -> float:
-    """Learning rate for 0-based ``step``: linear warm-up, then cosine decay to ``min_lr_ratio``."""
+    """Learning rate for 0-based ``step``: linear warm-up, then ``optim.schedule`` (cosine or
+    linear decay to ``min_lr_ratio * lr`` at ``max_steps``, or constant)."""
     if optim.warmup_steps and step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
     span = max(max_steps - optim.warmup_steps, 1)
     progress = min((step - optim.warmup_steps) / span, 1.0)
     floor = optim.lr * optim.min_lr_ratio
+    if optim.schedule == "linear":
+        return optim.lr - (optim.lr - floor) * progress
     return floor + (optim.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -37,4 +42,6 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
     ]
     if optim.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=True)
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(0.9, 0.95), foreach=True)
+    return torch.optim.AdamW(
+        groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True
+    )

@@ -1,0 +1,127 @@
+"""DeepSpeed JSON configs on the engine: every key of a corpus of 25 public-shaped configs is
+classified, values land where they should, "auto" resolves by Hugging Face's rules, and bad
+batch triples, contradictions and (with strict) unsupported keys are refused with the numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torsh_distributed.compat.deepspeed import import_deepspeed, load_deepspeed_json
+from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.train.config import preset
+
+CORPUS = sorted((Path(__file__).parent.parent / "data" / "deepspeed").glob("*.json"))
+
+
+def _leaves(data: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        out.extend(_leaves(value, path + ".") if isinstance(value, dict) and value else [path])
+    return out
+
+
+def test_the_corpus_is_large_enough():
+    assert len(CORPUS) >= 20
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
+def test_every_key_is_classified_once(path: Path):
+    data = json.loads(path.read_text())
+    config, report = import_deepspeed(path, preset("tiny"), world_size=2, hidden_size=64)
+    keys = [e.key for e in report.entries if not e.key.endswith("(derived)")]
+    assert len(keys) == len(set(keys)), "a key reported twice"
+    for leaf in _leaves(data):  # covered by its own entry or by an unknown parent's
+        assert any(leaf == k or leaf.startswith(k + ".") for k in keys), leaf
+    assert {e.status for e in report.entries} <= {"applied", "mapped", "unsupported"}
+    assert all(e.note for e in report.entries if e.status != "applied")
+    assert config.batch_size >= 1
+
+
+def _import(ds: dict[str, Any], world_size: int = 2, **kw: Any) -> tuple[EngineConfig, Any]:
+    return import_deepspeed(ds, EngineConfig(batch_size=32, grad_accum=1), world_size=world_size, **kw)
+
+
+def test_values_land_on_our_settings():
+    config, report = _import(
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-6}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 7, "total_num_steps": 50, "cos_min_ratio": 0.2}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "bf16": {"enabled": True},
+        }
+    )
+    assert (config.batch_size, config.grad_accum) == (16, 2)  # 4 x 2 x 2 ranks
+    o = config.optim
+    assert (o.lr, o.beta1, o.beta2, o.eps, o.grad_clip) == (3e-4, 0.8, 0.99, 1e-6, 0.5)
+    assert (o.schedule, o.warmup_steps, o.min_lr_ratio, config.max_steps) == ("cosine", 7, 0.2, 50)
+    p = config.parallel
+    assert (p.zero_stage, p.offload, p.param_dtype) == (3, "cpu", "bf16")
+    assert not report.unsupported
+
+
+def test_auto_resolves_like_hugging_face():
+    base = EngineConfig(batch_size=32, grad_accum=2)
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "gradient_clipping": "auto"}
+    config, _ = import_deepspeed(ds, base, world_size=4)
+    assert (config.batch_size, config.grad_accum) == (32, 2)  # micro 4 x accum 2 x 4 ranks
+    assert config.optim.lr == base.optim.lr and config.optim.grad_clip == base.optim.grad_clip
+    # micro given, total "auto", accumulation absent (DeepSpeed's default 1): micro x 1 x world
+    config, _ = import_deepspeed({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3}, base, world_size=4)
+    assert (config.batch_size, config.grad_accum) == (12, 1)
+
+
+def test_batch_triples_are_checked_with_the_numbers():
+    with pytest.raises(ValueError, match=r"train_batch_size 32 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x 2 data-parallel ranks = 16"):
+        _import({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    with pytest.raises(ValueError, match=r"train_batch_size 30 is not a multiple of train_micro_batch_size_per_gpu 4 x 2 data-parallel ranks = 8"):
+        _import({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4})
+    config, report = _import({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8})
+    assert config.grad_accum == 4
+    assert any(e.key == "gradient_accumulation_steps (derived)" and e.value == 4 for e in report.entries)
+
+
+def test_misspellings_get_a_suggestion_and_strict_refuses_them():
+    _, report = _import({"gradient_accumulation_step": 2, "zero_optimisation": {"stage": 2}, "fp16": {"enable": True}})
+    notes = {e.key: e.note for e in report.unsupported}
+    assert "did you mean 'gradient_accumulation_steps'" in notes["gradient_accumulation_step"]
+    assert "did you mean 'zero_optimization'" in notes["zero_optimisation"]
+    assert "did you mean 'fp16.enabled'" in notes["fp16.enable"]
+    with pytest.raises(ValueError, match=r"--strict: unsupported DeepSpeed keys: .*gradient_accumulation_step"):
+        _import({"gradient_accumulation_step": 2}, strict=True)
+
+
+def test_unsupported_features_are_named():
+    _, report = _import({"fp16": {"enabled": True, "hysteresis": 2}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+                         "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}})
+    notes = {e.key: e.note for e in report.unsupported}
+    assert "halves on every overflow" in notes["fp16.hysteresis"]
+    assert "NVMe" in notes["zero_optimization.offload_param.device"]
+    assert "only Adam, AdamW and SGD" in notes["optimizer.type"]
+
+
+def test_contradicting_an_explicit_flag_is_refused():
+    with pytest.raises(ValueError, match=r"--optim.lr 0.001 vs 0.0003 from the DeepSpeed config"):
+        _import({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, explicit={"optim.lr": 1e-3})
+    _import({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, explicit={"optim.lr": 1e-3})  # auto: no conflict
+
+
+def test_bad_files_and_values(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_deepspeed_json(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_deepspeed_json(bad)
+    with pytest.raises(ValueError, match="zero_optimization.stage must be 0-3"):
+        _import({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ValueError, match='train_batch_size must be an integer or "auto"'):
+        _import({"train_batch_size": "32"})

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.register(sub)
     __import__("torsh_distributed.cli.bench", fromlist=["register"]).register(sub)
     __import__("torsh_distributed.cli.plan", fromlist=["register"]).register(sub)
+    __import__("torsh_distributed.cli.horovodrun", fromlist=["register"]).register(sub)
     return parser
 
 

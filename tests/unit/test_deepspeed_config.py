@@ -95,7 +95,7 @@ def test_misspellings_get_a_suggestion_and_strict_refuses_them():
     assert "did you mean 'gradient_accumulation_steps'" in notes["gradient_accumulation_step"]
     assert "did you mean 'zero_optimization'" in notes["zero_optimisation"]
     assert "did you mean 'fp16.enabled'" in notes["fp16.enable"]
-    with pytest.raises(ValueError, match=r"--strict: unsupported DeepSpeed keys: .*gradient_accumulation_step"):
+    with pytest.raises(ValueError, match=r"--strict: unsupported DeepSpeed config keys: .*gradient_accumulation_step"):
         _import({"gradient_accumulation_step": 2}, strict=True)
 
 

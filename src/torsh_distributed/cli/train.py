@@ -227,9 +227,10 @@ def _check_world(config: TrainConfig, world_size: int, user: UserFactories | Non
 
 
 def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--deepspeed FILE`` and ``--strict``."""
+    """``--deepspeed FILE``, ``--fairscale FILE`` and ``--strict``."""
     group = parser.add_argument_group(
-        "DeepSpeed config (see docs/deepspeed.md; explicit flags must not contradict it)"
+        "DeepSpeed / FairScale configs (see docs/deepspeed.md; explicit flags must not "
+        "contradict a DeepSpeed config)"
     )
     group.add_argument(
         "--deepspeed", metavar="FILE",
@@ -237,7 +238,14 @@ def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
         "applied, mapped or unsupported (\"auto\" resolves from the flags, as Hugging Face does)",
     )
     group.add_argument(
-        "--strict", action="store_true", help="refuse a DeepSpeed config with unsupported keys"
+        "--fairscale", metavar="FILE",
+        help="a FairScale set-up as JSON ({\"FullyShardedDataParallel\": {...}}, OSS, "
+        "ShardedDataParallel, or fairseq's distributed_training section) mapped onto the ZeRO "
+        "stages, with the same report (docs/deepspeed.md#fairscale)",
+    )
+    group.add_argument(
+        "--strict", action="store_true",
+        help="refuse a DeepSpeed or FairScale config with unsupported keys",
     )
 
 
@@ -270,11 +278,18 @@ def _handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     user = user_factories(args)
     options = options_from_args(args)
+    if getattr(args, "deepspeed", None) and getattr(args, "fairscale", None):
+        raise ValueError("give --deepspeed or --fairscale, not both")
     if getattr(args, "deepspeed", None):
         nodes = int(options.nnodes.split(":")[0])  # an elastic range: its minimum
         config = _apply_deepspeed(args, config, options.nproc_per_node * nodes, user)
+    elif getattr(args, "fairscale", None):
+        from torsh_distributed.compat.fairscale import import_fairscale
+
+        config, report = import_fairscale(args.fairscale, config, strict=args.strict)
+        print(report.format(), flush=True)
     elif getattr(args, "strict", False):
-        raise ValueError("--strict applies to --deepspeed FILE")
+        raise ValueError("--strict applies to --deepspeed FILE or --fairscale FILE")
     inside_launch = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts

@@ -31,83 +31,24 @@ a contradiction is refused, naming both (Hugging Face does the same).
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from torsh_distributed.compat._deepspeed_rules import RULES, SECTIONS, Context, Outcome
+from torsh_distributed.compat._report import ConfigReport, KeyReport, apply_changes, read_json
 from torsh_distributed.engine.config import EngineConfig
 
 __all__ = ["DeepSpeedReport", "KeyReport", "import_deepspeed", "load_deepspeed_json"]
 
-Status = Literal["applied", "mapped", "unsupported"]
 C = TypeVar("C", bound=EngineConfig)
-
-
-@dataclass(frozen=True, slots=True)
-class KeyReport:
-    """What happened to one key of the config."""
-
-    key: str
-    """Dotted path (``zero_optimization.offload_optimizer.device``)."""
-    value: Any
-    """The value in the config (before resolving ``"auto"``)."""
-    status: Status
-    target: str
-    """Our setting it became (``parallel.zero_stage``), or ``""``."""
-    note: str
-    """Why mapped or unsupported; the resolved value of an ``"auto"``."""
-
-
-@dataclass(slots=True)
-class DeepSpeedReport:
-    """Every key of a DeepSpeed config, classified (see the module docstring)."""
-
-    entries: list[KeyReport] = field(default_factory=list)
-
-    def by_status(self, status: Status) -> list[KeyReport]:
-        return [e for e in self.entries if e.status == status]
-
-    @property
-    def unsupported(self) -> list[KeyReport]:
-        return self.by_status("unsupported")
-
-    def format(self) -> str:
-        """A plain-text table, one line per key, grouped by status."""
-        lines = [
-            f"DeepSpeed config: {len(self.by_status('applied'))} applied, "
-            f"{len(self.by_status('mapped'))} mapped, {len(self.unsupported)} unsupported"
-        ]
-        for status in ("applied", "mapped", "unsupported"):
-            for e in self.by_status(status):  # type: ignore[arg-type]
-                target = f" -> {e.target}" if e.target else ""
-                note = f" ({e.note})" if e.note else ""
-                lines.append(f"  {status:<11} {e.key} = {json.dumps(e.value)}{target}{note}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> list[dict[str, Any]]:
-        return [
-            {"key": e.key, "value": e.value, "status": e.status, "target": e.target, "note": e.note}
-            for e in self.entries
-        ]
+DeepSpeedReport = ConfigReport
+"""The report of a DeepSpeed config (:class:`~._report.ConfigReport`)."""
 
 
 def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
     """Read a DeepSpeed JSON config; clear errors for a missing file or bad JSON."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"DeepSpeed config {str(p)!r} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"DeepSpeed config {str(p)!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"DeepSpeed config {str(p)!r} must hold a JSON object, got {type(data).__name__}"
-        )
-    return data
+    return read_json(path, "DeepSpeed config")
 
 
 def _leaves(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -179,7 +120,7 @@ def import_deepspeed(
     par = settings["parallel"]
     dp_world = world_size // max(par["tp"] * par["pp"], 1)
     ctx = Context(data=data, settings=settings, dp_world=dp_world, hidden_size=hidden_size)
-    report = DeepSpeedReport()
+    report = ConfigReport("DeepSpeed config")
     for path, value in _leaves(data):
         rule = _rule(path)
         hint = _suggest(path) if path not in RULES else ""
@@ -191,14 +132,8 @@ def import_deepspeed(
     _finish_batch(ctx)  # the triple, once every key was seen
     report.entries.extend(KeyReport(k, v, "applied", t, n) for k, v, t, n in ctx.derived)
     _check_explicit(ctx.changes, explicit or {})
-    if strict and report.unsupported:
-        listed = "; ".join(f"{e.key} ({e.note})" for e in report.unsupported)
-        raise ValueError(f"--strict: unsupported DeepSpeed keys: {listed}")
-    for target, value in ctx.changes.items():
-        section, _, name = target.rpartition(".")
-        (settings[section] if section else settings)[name] = value
-    config = type(base).from_dict(settings)
-    return config, report
+    report.check_strict(strict)
+    return apply_changes(base, ctx.changes), report
 
 
 def _finish_batch(ctx: Context) -> None:

@@ -24,8 +24,13 @@ install: $(STAMP)
 system-deps:
 	@bash scripts/install-system-deps.sh
 
+# Train the tiny GPT on 2 ranks (context 256 so that the 200-token sample fits; --resume never: a
+# rerun trains afresh into the same directory), then continue a prompt with the checkpoint it saved.
 demo: install
-	$(VENV)/bin/torsh-dist train --nproc-per-node 2 --preset tiny
+	$(VENV)/bin/torsh-dist train --nproc-per-node 2 --preset tiny --model.block-size 256 \
+		--batch-size 8 --max-steps 300 --checkpoint-dir runs/demo --resume never
+	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n' \
+		--max-new-tokens 200 --temperature 0.8 --seed 0
 
 test: install system-deps
 	$(PY) -m pytest -q tests

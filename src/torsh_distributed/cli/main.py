@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.register(sub)
     __import__("torsh_distributed.cli.bench", fromlist=["register"]).register(sub)
     __import__("torsh_distributed.cli.plan", fromlist=["register"]).register(sub)
+    __import__("torsh_distributed.cli.generate", fromlist=["register"]).register(sub)
+    __import__("torsh_distributed.cli.infer", fromlist=["register"]).register(sub)
     __import__("torsh_distributed.cli.horovodrun", fromlist=["register"]).register(sub)
+    __import__("torsh_distributed.cli.serve", fromlist=["register"]).register(sub)
     return parser
 
 

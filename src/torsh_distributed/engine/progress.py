@@ -50,13 +50,15 @@ class Progress:
     refresh is printed as one line, at most every ``mininterval`` seconds.
     """
 
-    def __init__(self, *, total: int, enabled: bool, desc: str, out: TextIO | None = None) -> None:
+    def __init__(
+        self, *, total: int, enabled: bool, desc: str, out: TextIO | None = None, unit: str = "step"
+    ) -> None:
         out = out or sys.stdout
         self._stream: _LineStream | None = None
         if enabled and not out.isatty():
             self._stream = _LineStream(out)
         self._bar = (
-            tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True,
+            tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True,
                  file=self._stream or out, mininterval=0.5 if self._stream is None else 2.0,
                  leave=True, ascii=self._stream is not None)
             if enabled

@@ -5,7 +5,11 @@
 * :mod:`.sampling` — :class:`SamplingConfig` (greedy, temperature, top-k, top-p, seed, stops);
 * :mod:`.cache` — :class:`KVCache`, the cache a model's ``forward_cached`` fills;
 * :mod:`.protocol` — what a model must provide (:class:`CausalLM`, :class:`CachedCausalLM`);
-* :mod:`.text` — the byte-level tokenizer of the built-in models.
+* :mod:`.text` — the byte-level tokenizer of the built-in models;
+* :mod:`.load` — the built-in GPT (or any model) from a training checkpoint of any layout;
+* :mod:`.jobs` — :class:`~.jobs.GenerateJob` / :func:`~.jobs.run_generate` (``torsh-dist generate``);
+* :mod:`.batch` — :class:`~.batch.InferJob` / :func:`~.batch.run_infer`, resumable
+  data-parallel batch inference over JSONL (``torsh-dist infer``).
 
 See ``docs/inference.md``. (The function :func:`generate` is bound here after its module is
 imported, so ``from torsh_distributed.inference import generate`` is the function.)

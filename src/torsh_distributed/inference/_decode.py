@@ -23,6 +23,8 @@ from torsh_distributed.inference.text import cut_at_stop
 
 StopReason = Literal["max_tokens", "stop_token", "stop_string", "max_length"]
 Decode = Callable[[Sequence[int]], str]
+OnToken = Callable[[int, int], None]
+"""``on_token(row, token)``: called once per generated token, in order, as soon as it is chosen."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,8 +177,10 @@ def run(
     use_cache: bool,
     decode: Decode | None,
     group: dist.ProcessGroup | None,
+    on_token: OnToken | None = None,
 ) -> None:
-    """Generate every row to its stop; fills ``rows`` in place."""
+    """Generate every row to its stop; fills ``rows`` in place (``on_token`` sees each token
+    of row ``i`` as it is added, e.g. to stream it)."""
     device = model_device(model)
     with torch.no_grad(), eval_mode(model):
         start = time.perf_counter()
@@ -185,7 +189,8 @@ def run(
         )
         logits = step.first()
         while True:
-            active = [r for r in rows if r.reason is None]
+            indices = [i for i, r in enumerate(rows) if r.reason is None]
+            active = [rows[i] for i in indices]
             on_cpu = logits.detach().to("cpu", torch.float64)  # one transfer for the batch
             chosen = [
                 sample_token(on_cpu[i], r.config, r.rng)
@@ -197,6 +202,9 @@ def run(
             latency, start = now - start, now
             for row, token in zip(active, chosen, strict=True):
                 row.add(token, latency, decode)
+            if on_token is not None:
+                for index, token in zip(indices, chosen, strict=True):
+                    on_token(index, token)
             if all(r.reason is not None for r in rows):
                 return
             logits = step.next(rows)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh_distributed.inference._decode import StopReason, make_rows, run
+from torsh_distributed.inference._decode import OnToken, StopReason, make_rows, run
 from torsh_distributed.inference.protocol import CachedCausalLM, max_seq_len_of
 from torsh_distributed.inference.sampling import SamplingConfig
 from torsh_distributed.inference.text import cut_at_stop, decode_bytes, encode_bytes
@@ -134,6 +134,7 @@ def generate_batch(
     decode: Callable[[Sequence[int]], str] | None = None,
     tp_group: TPGroup = "auto",
     max_seq_len: int | None = None,
+    on_token: OnToken | None = None,
 ) -> list[GenerationResult]:
     """Continue every prompt, decoding them together (see the module doc).
 
@@ -152,6 +153,9 @@ def generate_batch(
             finds it from the model's ``DTensor`` parameters (:func:`find_tp_group`); ``None``
             = no agreement step.
         max_seq_len: The model's context length; default its ``max_seq_len`` attribute, if any.
+        on_token: ``on_token(i, token)`` is called for each token of prompt ``i`` as soon as
+            it is chosen (before the next decode step), to stream it; ``None`` = no callback.
+            It runs on the decoding thread: a slow callback slows every row of the batch.
 
     Returns:
         One :class:`GenerationResult` per prompt, in order.
@@ -179,7 +183,14 @@ def generate_batch(
         raise ValueError(f"max_seq_len must be >= 1, got {limit}")
     rows = make_rows([_prompt(p, i, limit) for i, p in enumerate(prompts)], configs, limit)
     group = find_tp_group(model) if tp_group == "auto" else tp_group
-    run(model, rows, use_cache=has_cache if cache is None else cache, decode=decode, group=group)
+    run(
+        model,
+        rows,
+        use_cache=has_cache if cache is None else cache,
+        decode=decode,
+        group=group,
+        on_token=on_token,
+    )
     return [
         _result(row.prompt, row.tokens, row.reason, row.latencies, row.config, decode)
         for row in rows

@@ -34,8 +34,6 @@ __all__ = [
     "BatchQueue",
     "decode_batch",
     "broadcast_json",
-    "sampling_to_json",
-    "sampling_from_json",
     "ServingMetrics",
 ]
 
@@ -358,30 +356,6 @@ def broadcast_json(obj: Any, group: dist.ProcessGroup) -> Any:
     )
     dist.broadcast(data, group_src=0, group=group)
     return obj if first else json.loads(bytes(data.tolist()).decode())
-
-
-def sampling_to_json(config: SamplingConfig) -> dict[str, Any]:
-    return {
-        "max_new_tokens": config.max_new_tokens,
-        "temperature": config.temperature,
-        "top_k": config.top_k,
-        "top_p": config.top_p,
-        "seed": config.seed,
-        "stop_tokens": list(config.stop_tokens),
-        "stop_strings": list(config.stop_strings),
-    }
-
-
-def sampling_from_json(data: dict[str, Any]) -> SamplingConfig:
-    return SamplingConfig(
-        max_new_tokens=int(data["max_new_tokens"]),
-        temperature=data["temperature"],
-        top_k=int(data["top_k"]),
-        top_p=data["top_p"],
-        seed=int(data["seed"]),
-        stop_tokens=tuple(data["stop_tokens"]),
-        stop_strings=tuple(data["stop_strings"]),
-    )
 
 
 class ServingMetrics:

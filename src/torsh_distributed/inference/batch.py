@@ -57,8 +57,9 @@ from torsh_distributed.inference.generate import GenerationResult, TextGenerator
 from torsh_distributed.inference.jobs import (
     check_job_fields,
     check_model,
+    job_from_json,
+    job_to_json,
     load_for_job,
-    sampling_from_dict,
 )
 from torsh_distributed.inference.load import find_checkpoint, read_gpt_config
 from torsh_distributed.inference.sampling import SamplingConfig
@@ -95,7 +96,7 @@ class InferJob:
     """Also write the :class:`InferSummary` here as JSON; empty = no file."""
 
     def __post_init__(self) -> None:
-        check_job_fields(self.checkpoint, self.dtype)
+        check_job_fields(self.checkpoint, self.dtype, self.sampling)
         for name in ("input", "output"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a file path")
@@ -105,19 +106,13 @@ class InferJob:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size}")
-        if not isinstance(self.sampling, SamplingConfig):
-            raise TypeError(
-                f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}"
-            )
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return job_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> InferJob:
-        data = json.loads(text)
-        data["sampling"] = sampling_from_dict(data.get("sampling", {}))
-        return cls(**data)
+        return job_from_json(cls, text)
 
 
 @dataclass(kw_only=True, slots=True)

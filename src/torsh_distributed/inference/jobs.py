@@ -19,7 +19,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,8 +38,9 @@ __all__ = [
     "GenerateReport",
     "plan_generate",
     "run_generate",
-    "sampling_from_dict",
     "check_job_fields",
+    "job_from_json",
+    "job_to_json",
     "check_model",
     "load_for_job",
 ]
@@ -53,21 +54,30 @@ DTYPES: dict[str, torch.dtype] = {
 """The ``dtype`` names a job accepts."""
 
 
-def sampling_from_dict(data: dict[str, Any]) -> SamplingConfig:
-    """The :class:`SamplingConfig` of ``dataclasses.asdict`` output (lists back to tuples)."""
-    data = dict(data)
-    for name in ("stop_tokens", "stop_strings"):
-        if name in data:
-            data[name] = tuple(data[name])
-    return SamplingConfig(**data)
-
-
-def check_job_fields(checkpoint: str, dtype: str) -> None:
-    """ValueError unless ``checkpoint`` is a non-empty path and ``dtype`` one of :data:`DTYPES`."""
+def check_job_fields(checkpoint: str, dtype: str, sampling: object) -> None:
+    """ValueError unless ``checkpoint`` is a non-empty path and ``dtype`` one of :data:`DTYPES`;
+    TypeError unless ``sampling`` is a :class:`SamplingConfig`."""
     if not isinstance(checkpoint, str) or not checkpoint:
         raise ValueError("checkpoint must name a run's --checkpoint-dir or a step directory")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+
+
+J = TypeVar("J")
+
+
+def job_to_json(job: Any) -> str:
+    """A job dataclass as JSON (what the launched ranks receive)."""
+    return json.dumps(dataclasses.asdict(job))
+
+
+def job_from_json(cls: type[J], text: str) -> J:
+    """The job of :func:`job_to_json` output, its sampling rebuilt and everything validated."""
+    data = json.loads(text)
+    data["sampling"] = SamplingConfig.from_dict(data.get("sampling", {}))
+    return cls(**data)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,24 +101,18 @@ class GenerateJob:
     """Write the :class:`GenerateReport` here as JSON (atomically); empty = no file."""
 
     def __post_init__(self) -> None:
-        check_job_fields(self.checkpoint, self.dtype)
+        check_job_fields(self.checkpoint, self.dtype, self.sampling)
         if not isinstance(self.prompt, str) or not self.prompt:
             raise ValueError("prompt must be a non-empty string")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
-        if not isinstance(self.sampling, SamplingConfig):
-            raise TypeError(
-                f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}"
-            )
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return job_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> GenerateJob:
-        data = json.loads(text)
-        data["sampling"] = sampling_from_dict(data.get("sampling", {}))
-        return cls(**data)
+        return job_from_json(cls, text)
 
 
 @dataclass(kw_only=True, slots=True)

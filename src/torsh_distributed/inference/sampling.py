@@ -18,8 +18,11 @@ it draws no random number and ignores ``top_k`` / ``top_p``, which cannot change
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +59,22 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()
     """Strings that end the sequence once the decoded completion contains one (needs a
     ``decode`` function); ``text`` is cut before it, ``tokens`` keep what was generated."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (stop lists as lists)."""
+        data = dataclasses.asdict(self)
+        for name in ("stop_tokens", "stop_strings"):
+            data[name] = list(data[name])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingConfig:
+        """The config of :meth:`to_dict` output (validated again)."""
+        data = dict(data)
+        for name in ("stop_tokens", "stop_strings"):
+            if name in data:
+                data[name] = tuple(data[name])
+        return cls(**data)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

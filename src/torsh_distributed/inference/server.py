@@ -54,11 +54,10 @@ from torsh_distributed.inference._serving import (
     broadcast_json,
     decode_batch,
     parse_completion,
-    sampling_from_json,
-    sampling_to_json,
 )
 from torsh_distributed.inference.generate import GenerationResult, TextGenerator
 from torsh_distributed.inference.protocol import max_seq_len_of
+from torsh_distributed.inference.sampling import SamplingConfig
 
 __all__ = ["ServerConfig", "InferenceServer", "follow", "is_loopback", "MIN_TOKEN_LENGTH"]
 
@@ -283,7 +282,7 @@ class InferenceServer:
                 {
                     "kind": "batch",
                     "prompts": prompts,
-                    "sampling": [sampling_to_json(s) for s in configs],
+                    "sampling": [s.to_dict() for s in configs],
                 },
                 self._group,
             )
@@ -394,7 +393,7 @@ def follow(generator: TextGenerator, *, on_batch: Callable[[int], None] | None =
         if kind == "idle":
             continue
         assert kind == "batch", f"unknown message from the serving rank: {kind!r}"
-        configs = [sampling_from_json(s) for s in message["sampling"]]
+        configs = [SamplingConfig.from_dict(s) for s in message["sampling"]]
         decode_batch(generator, message["prompts"], configs)
         if on_batch is not None:
             on_batch(len(configs))

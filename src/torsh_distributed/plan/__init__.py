@@ -1,5 +1,8 @@
-"""Planning before running: memory per rank by the ZeRO paper's formulas (see :mod:`.memory`)."""
+"""Planning before running: memory per rank by the ZeRO paper's formulas (:mod:`.memory`), the
+parallel strategy for a model and cluster (:mod:`.strategy`) and the lr scaling rule
+(:mod:`.lr_scaling`)."""
 
+from torsh_distributed.plan.lr_scaling import LRScaling, lr_scaling
 from torsh_distributed.plan.memory import (
     MemoryPlan,
     ModelStateBytes,
@@ -11,8 +14,20 @@ from torsh_distributed.plan.memory import (
     plan_memory,
     transient_bytes,
 )
+from torsh_distributed.plan.strategy import (
+    Candidate,
+    StrategyConfig,
+    StrategyPlan,
+    plan_strategy,
+)
 
 __all__ = [
+    "Candidate",
+    "LRScaling",
+    "StrategyConfig",
+    "StrategyPlan",
+    "lr_scaling",
+    "plan_strategy",
     "MemoryPlan",
     "ModelStateBytes",
     "activation_bytes",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -126,6 +127,21 @@ def test_tcp_store_server_and_client() -> None:
     _round_trip(client)
     assert server.get("counter") == b"3"
     assert (server.host, server.port) == ("127.0.0.1", port)
+
+
+def test_tcp_store_server_listens_on_its_host_only() -> None:
+    """torch's TCPStore alone binds every interface (*:port); ours binds the URL's host."""
+    port = find_free_port()
+    server = create_store(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=5)
+    listening = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    local = {line.split()[1] for line in listening if line.split()[3] == "0A"}  # 0A = LISTEN
+    assert f"0100007F:{port:04X}" in local  # 127.0.0.1:port
+    assert f"00000000:{port:04X}" not in local  # not 0.0.0.0:port
+    six = Path("/proc/net/tcp6")
+    if six.exists():  # nor [::]:port
+        lines = six.read_text().splitlines()[1:]
+        assert not any(line.split()[1] == f"{'0' * 32}:{port:04X}" for line in lines)
+    del server
 
 
 def test_tcp_client_without_server_times_out() -> None:

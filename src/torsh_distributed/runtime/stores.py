@@ -15,6 +15,9 @@ fit to host the store).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -207,15 +210,44 @@ def create_store(
     return store
 
 
+def _listen(host: str, port: int, backlog: int) -> int:
+    """A listening socket on ``host:port`` only (not ``*:port``), detached: its descriptor for
+    TCPStore's ``master_listen_fd``, which then owns it."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(max(128, backlog))
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 def _tcp_store(
     spec: _StoreURL, url: str, rank: int, world_size: int, server: bool, timeout: timedelta
 ) -> dist.TCPStore:
+    fd: int | None = None
     try:
+        kwargs: dict[str, object] = {}
+        if server:  # TCPStore binds every interface whatever host it is given: bind ours
+            fd = _listen(spec.host, spec.port, world_size)
+            kwargs["master_listen_fd"] = fd
         # wait_for_workers=False: the server returns at once; init_process_group syncs later.
         return dist.TCPStore(
-            spec.host, spec.port, world_size, server, timeout=timeout, wait_for_workers=False
+            spec.host,
+            spec.port,
+            world_size,
+            server,
+            timeout=timeout,
+            wait_for_workers=False,
+            **kwargs,  # type: ignore[arg-type]
         )
-    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+    except (dist.DistNetworkError, dist.DistStoreError, OSError) as exc:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if server:
             raise CommunicationError(

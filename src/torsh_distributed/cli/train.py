@@ -47,6 +47,8 @@ examples:
   torsh-dist run --nproc-per-node 2 -m torsh_distributed.train --preset tiny   # same, via run
   # a DeepSpeed JSON config: every key reported as applied / mapped / unsupported
   torsh-dist train --nproc-per-node 2 --deepspeed ds_config.json [--strict]
+  # parameter server: rank 0 serves, ranks 1-2 train with bounded staleness 2
+  torsh-dist train --nproc-per-node 3 --ps-servers 1 --staleness 2 --max-steps 50
 """
 
 
@@ -290,6 +292,10 @@ def _handle(args: argparse.Namespace) -> int:
         print(report.format(), flush=True)
     elif getattr(args, "strict", False):
         raise ValueError("--strict applies to --deepspeed FILE or --fairscale FILE")
+    if getattr(args, "ps_servers", 0):  # the parameter server's loop instead of the engine's
+        from torsh_distributed.cli.ps_train import handle_ps
+
+        return handle_ps(args, config, user, options)
     inside_launch = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
@@ -338,6 +344,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_user_model_arguments(parser)
     add_config_arguments(parser)
     add_deepspeed_arguments(parser)
+    from torsh_distributed.cli.ps_train import add_ps_arguments
+
+    add_ps_arguments(parser)
     parser.set_defaults(handler=_handle)
 
 

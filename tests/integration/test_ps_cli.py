@@ -1,0 +1,34 @@
+"""`torsh-dist train --ps-servers S --staleness s` trains the built-in GPT asynchronously through
+the real launcher: 1 server + 2 workers, the staleness bound held, the summary written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CLI = [sys.executable, "-m", "torsh_distributed.cli.main", "train"]
+
+
+def test_the_built_in_model_trains_with_bounded_staleness(tmp_path: Path):
+    out = tmp_path / "ps.json"
+    proc = subprocess.run(
+        [*CLI, "--nproc-per-node", "3", "--ps-servers", "1", "--staleness", "2", "--preset", "tiny",
+         "--max-steps", "6", "--progress", "false", "--summary-json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert (summary["num_servers"], summary["num_workers"], summary["steps"]) == (1, 2, 6)
+    assert summary["staleness_bound"] == 2 and summary["max_staleness"] <= 2
+    assert sum(summary["staleness_histogram"].values()) > 0
+    for losses in summary["worker_losses"]:  # both workers learn
+        assert losses[-1] < losses[0]
+
+
+def test_servers_need_workers():
+    proc = subprocess.run([*CLI, "--nproc-per-node", "1", "--ps-servers", "1", "--preset", "tiny"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--ps-servers 1 needs --nproc-per-node > 1" in proc.stderr

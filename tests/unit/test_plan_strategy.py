@@ -26,12 +26,14 @@ fits in memory by the planner's own estimate, and carries the reason it ranks lo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from torsh_distributed.cli.main import main
 from torsh_distributed.cli.plan_strategy import parse_rate, parse_size
 from torsh_distributed.plan.lr_scaling import lr_scaling
+from torsh_distributed.plan.profile import Collective, Profile
 from torsh_distributed.plan.strategy import (
     StrategyConfig,
     evaluate_layout,
@@ -369,3 +371,128 @@ def test_cli_error_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert main(argv) == 2
     assert "--heads (3) must divide --hidden (100)" in capsys.readouterr().err
+
+
+# --- profiled mode -----------------------------------------------------------------------------
+
+_CPU = dict(
+    params=1e6,
+    layers=4,
+    hidden=128,
+    heads=4,
+    seq_len=64,
+    vocab=256,
+    devices=2,
+    device_memory=1e12,
+    intra_bw=1e9,
+    inter_bw=1e9,
+    global_batch=8,
+    dtype="fp32",
+    device="cpu",
+    device_flops=1e10,
+    layout="fsdp2",
+    reserve=0,
+)
+
+
+def _profile(**changes: object) -> Profile:
+    fields = dict(
+        hidden=128,
+        seq_len=64,
+        ranks=2,
+        block={1: {4: 0.1, 8: 0.2}, 2: {8: 0.15}},
+        outside={1: {4: 0.01, 8: 0.02}, 2: {8: 0.03}},
+        optimizer={1: 1e-8, 2: 2e-8},
+        optimizer_sharded=3e-8,
+        all_reduce=Collective(alpha=1e-3, beta=1e-9),
+        reduce_scatter=Collective(alpha=2e-3, beta=2e-9),
+        all_gather=Collective(alpha=3e-3, beta=3e-9),
+        p2p=Collective(alpha=4e-4, beta=4e-9),
+    )
+    return Profile(**{**fields, **changes})
+
+
+def test_profile_replaces_the_terms_it_covers() -> None:
+    cfg = StrategyConfig(**_CPU, profile=_profile())
+    # dp2 ZeRO-0, micro-batch 4 (profiled): 4 blocks + the rest, one 4 MB all-reduce, Adam
+    t = evaluate_layout(cfg, dp=2, micro_batch=4).estimate.time
+    assert t["compute"] == pytest.approx(4 * 0.1 + 0.01)
+    assert t["tp_comm"] == 0 and t["bubble"] == 0
+    assert t["dp_comm"] == pytest.approx(1e-3 + 4e6 * 1e-9)
+    assert t["optimizer"] == pytest.approx(1e-8 * 1e6)
+    assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+    # ZeRO-3: one reduce-scatter and two all-gathers per unit (4 blocks + root), shard's step
+    t = evaluate_layout(cfg, dp=2, stage=3, micro_batch=4).estimate.time
+    assert t["dp_comm"] == pytest.approx(5 * 2e-3 + 4e6 * 2e-9 + 2 * (5 * 3e-3 + 4e6 * 3e-9))
+    assert t["optimizer"] == pytest.approx(3e-8 * 0.5e6)
+    # tp2: the profiled block holds its all-reduces; the step covers the tp shard
+    t = evaluate_layout(cfg, dp=1, tp=2, micro_batch=8).estimate.time
+    assert t["compute"] == pytest.approx(4 * 0.15 + 0.03) and t["tp_comm"] == 0
+    assert t["optimizer"] == pytest.approx(2e-8 * 0.5e6)
+    # pp2 at micro-batch 2 (not profiled: scaled from 4), 4 micro-batches, 1F1B
+    t = evaluate_layout(cfg, dp=1, pp=2, micro_batch=2).estimate.time
+    stage = 2 * 0.1 * 2 / 4 + 0.01 * 2 / 4
+    assert t["compute"] == pytest.approx(4 * stage)
+    assert t["bubble"] == pytest.approx(stage)
+    assert t["pp_comm"] == pytest.approx(8 * 4e-4 + 8 * 2 * 64 * 128 * 4 * 4e-9)
+
+
+def test_profile_falls_back_to_the_analytic_model_where_it_has_no_value() -> None:
+    plain = StrategyConfig(**{**_CPU, "devices": 4, "heads": 4, "global_batch": 16})
+    prof = StrategyConfig(**{**_CPU, "devices": 4, "global_batch": 16}, profile=_profile())
+    # tp 4 not profiled: the FLOP model and its ring all-reduces
+    a = evaluate_layout(plain, dp=1, tp=4, micro_batch=16).estimate.time
+    b = evaluate_layout(prof, dp=1, tp=4, micro_batch=16).estimate.time
+    assert b["compute"] == a["compute"] and b["tp_comm"] == a["tp_comm"] > 0
+    # a 4-rank data-parallel group: collectives profiled on 2 ranks do not apply
+    a = evaluate_layout(plain, dp=4, micro_batch=4).estimate.time
+    b = evaluate_layout(prof, dp=4, micro_batch=4).estimate.time
+    assert b["dp_comm"] == a["dp_comm"] and b["compute"] != a["compute"]
+    # without a profile the optimizer step is not modelled
+    assert a["optimizer"] == 0
+
+
+def test_profile_decides_the_ranking() -> None:
+    def best(tp_block: float) -> str:
+        prof = _profile(block={1: {4: 0.1, 8: 0.2}, 2: {8: tp_block}})
+        plan = plan_strategy(StrategyConfig(**_CPU, stages=(0,), pp=1, profile=prof))
+        return plan.best.name()
+
+    assert best(0.05) == "dp1 tp2 pp1 z0"  # tp halves the block: tp wins
+    assert best(0.5) == "dp2 tp1 pp1 z0"  # tp's block is slower than two replicas'
+    assert (
+        "(profiled)"
+        in plan_strategy(StrategyConfig(**_CPU, profile=_profile())).to_dict()["explanation"]
+    )
+
+
+def test_profile_checks() -> None:
+    with pytest.raises(ValueError, match="--profile was measured at hidden 128, seq-len 64"):
+        StrategyConfig(**{**_CPU, "seq_len": 32}, profile=_profile())
+    with pytest.raises(ValueError, match=r"profile block\[1\]"):
+        _profile(block={1: {0: 0.1}})
+    with pytest.raises(ValueError, match="alpha and beta must be >= 0"):
+        Collective(alpha=-1.0, beta=0.0)
+    with pytest.raises(ValueError, match="unknown profile fields: blocks"):
+        Profile.from_dict({"hidden": 1, "seq_len": 1, "blocks": {}})
+
+
+def test_profile_round_trips_through_json_and_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof = _profile(source="synthetic")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    assert Profile.from_dict(json.loads(path.read_text())) == prof
+    argv = ["plan", "strategy", "--params", "1e6", "--layers", "4", "--hidden", "128"]
+    argv += ["--heads", "4", "--seq-len", "64", "--vocab", "256", "--devices", "2"]
+    argv += ["--device-memory", "1TB", "--intra-bw", "1GB/s", "--inter-bw", "1GB/s"]
+    argv += ["--global-batch", "8", "--dtype", "fp32", "--device", "cpu"]
+    argv += ["--device-flops", "1e10", "--layout", "fsdp2", "--reserve", "0"]
+    assert main([*argv, "--profile", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommendation"]["step_time_s"]["optimizer"] > 0
+    assert main([*argv, "--profile", str(path)]) == 0
+    assert "profiled: synthetic" in capsys.readouterr().out
+    assert main([*argv, "--profile", str(tmp_path / "missing.json")]) == 2
+    assert "--profile" in capsys.readouterr().err

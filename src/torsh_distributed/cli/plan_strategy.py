@@ -11,6 +11,7 @@ import json
 import re
 
 from torsh_distributed.plan.memory import DTYPES, OPTIMIZERS, format_bytes
+from torsh_distributed.plan.profile import Profile
 from torsh_distributed.plan.strategy import (
     DEVICE_PEAK_FLOPS,
     StrategyConfig,
@@ -36,7 +37,11 @@ sizes: 80GB, 80GiB, 8e10 (bytes); rates: 300GB/s, 800Gbps, 100Gb/s, 3e11 (bytes/
 --json prints {"inputs", "recommendation", "explanation", "lr_scaling", "candidates": [{"rank",
 "name", "dp", "tp", "pp", "ep", "stage", "micro_batch", "microbatches", "recompute", "fits",
 "memory_bytes": {...}, "step_time_s": {"compute", "tp_comm", "ep_comm", "pp_comm", "bubble",
-"dp_comm", "total"}, "reason"}], "num_candidates", "notes"}.
+"dp_comm", "optimizer", "total"}, "reason"}], "num_candidates", "notes"}.
+
+--profile FILE: a JSON profile of the target machine (Profile.to_dict(); written by
+benchmarks/bench_planner.py --save-profile): measured block, non-block, optimizer and collective
+times replace the analytic terms they cover (docs/planner.md, "Profiled mode").
 """
 
 _UNITS = {
@@ -84,6 +89,16 @@ def _stages(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _profile(path: str | None) -> Profile | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            return Profile.from_dict(json.load(f))
+    except (OSError, json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"--profile {path}: {exc}") from None
+
+
 def _config(args: argparse.Namespace) -> StrategyConfig:
     return StrategyConfig(
         params=args.params,
@@ -121,6 +136,7 @@ def _config(args: argparse.Namespace) -> StrategyConfig:
         ref_batch=args.ref_batch,
         ref_lr=args.ref_lr,
         ref_warmup_steps=args.ref_warmup_steps,
+        profile=_profile(args.profile),
     )
 
 
@@ -132,6 +148,8 @@ def _print(plan: StrategyPlan, top: int) -> None:
         f"{cfg.device_flops / 1e12:.3g} TFLOP/s achieved; global batch {cfg.global_batch} x "
         f"{cfg.seq_len} tokens; {len(plan.candidates)} layouts considered"
     )
+    if cfg.profile is not None:
+        print(f"profiled: {cfg.profile.source or 'measured profile'} (docs/planner.md)")
     print(f"recommended: {explain(plan)}")
     lr = plan.lr
     scaled = f" -> lr {lr.lr:.3g}" if lr.lr is not None else ""
@@ -141,9 +159,9 @@ def _print(plan: StrategyPlan, top: int) -> None:
         print(f"note: {note}")
     print(
         "| rank | layout | micro-batch x n | recompute | memory/device | step (s) | compute "
-        "| comm (tp/ep/pp/dp) | bubble | why not chosen |"
+        "| comm (tp/ep/pp/dp) | bubble | optimizer | why not chosen |"
     )
-    print("|---:|---|---|---|---:|---:|---:|---|---:|---|")
+    print("|---:|---|---|---|---:|---:|---:|---|---:|---:|---|")
     shown = plan.candidates[:top]
     shown += [c for c in plan.candidates[top:] if not c.fits][:3]
     for c in shown:
@@ -152,7 +170,8 @@ def _print(plan: StrategyPlan, top: int) -> None:
         print(
             f"| {c.rank} | {c.name()} | {lay.micro_batch} x {lay.microbatches} | "
             f"{'yes' if lay.recompute else 'no'} | {format_bytes(c.memory)} | {t['total']:.3g} | "
-            f"{t['compute']:.3g} | {comm} | {t['bubble']:.3g} | {c.reason or 'chosen'} |"
+            f"{t['compute']:.3g} | {comm} | {t['bubble']:.3g} | {t['optimizer']:.3g} | "
+            f"{c.reason or 'chosen'} |"
         )
 
 
@@ -229,6 +248,11 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
         help="achieved FLOP/s per device (default: the kind's peak x --mfu)",
     )
     c.add_argument("--mfu", type=float, default=0.5, help="achieved fraction of peak (0.5)")
+    c.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="measured profile (JSON) of this model on the target machine; see docs/planner.md",
+    )
     c.add_argument(
         "--reserve",
         type=parse_size,

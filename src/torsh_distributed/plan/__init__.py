@@ -1,6 +1,6 @@
 """Planning before running: memory per rank by the ZeRO paper's formulas (:mod:`.memory`), the
-parallel strategy for a model and cluster (:mod:`.strategy`) and the lr scaling rule
-(:mod:`.lr_scaling`)."""
+parallel strategy for a model and cluster (:mod:`.strategy`, optionally from a measured
+:mod:`.profile`) and the lr scaling rule (:mod:`.lr_scaling`)."""
 
 from torsh_distributed.plan.lr_scaling import LRScaling, lr_scaling
 from torsh_distributed.plan.memory import (
@@ -14,6 +14,7 @@ from torsh_distributed.plan.memory import (
     plan_memory,
     transient_bytes,
 )
+from torsh_distributed.plan.profile import Collective, Profile
 from torsh_distributed.plan.strategy import (
     Candidate,
     StrategyConfig,
@@ -23,7 +24,9 @@ from torsh_distributed.plan.strategy import (
 
 __all__ = [
     "Candidate",
+    "Collective",
     "LRScaling",
+    "Profile",
     "StrategyConfig",
     "StrategyPlan",
     "lr_scaling",

@@ -8,7 +8,14 @@ Torch-free arithmetic. Every formula is documented in docs/planner.md; the short
   scores unless flash attention) of the micro-batches a 1F1B stage holds + transients;
 * step time = compute (``6 N + 12 L s h`` FLOPs per token, 8/6 of it with recomputation) +
   tensor-parallel all-reduces + expert all-to-alls + pipeline sends + bubble + data-parallel
-  gradient exchange, none of it overlapped.
+  gradient exchange + optimizer step, none of it overlapped.
+
+With a :class:`~torsh_distributed.plan.profile.Profile` (``cfg.profile``) each term it covers is
+taken from measurements instead: compute = the profiled block time x layers per stage + the
+profiled non-block parts, per micro-batch (at tp > 1 the block's all-reduces are inside it, so
+``tp_comm`` is 0); the optimizer step = profiled seconds per parameter x the parameters a rank
+steps; collectives = the profiled ``alpha + bytes * beta`` of a group of the profiled size.
+Terms the profile lacks keep the analytic formula (the optimizer's is then 0: not modelled).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING
 from torsh_distributed.plan.memory import model_state_bytes, transient_bytes
 
 if TYPE_CHECKING:
+    from torsh_distributed.plan.profile import Profile
     from torsh_distributed.plan.strategy import StrategyConfig
 
 __all__ = ["Layout", "Link", "Estimate", "estimate", "split_params"]
@@ -177,18 +185,23 @@ def _memory(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
 
 def _time(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
     dense, expert, active = split_params(cfg)
+    prof = cfg.profile
     s, h, act = cfg.seq_len, cfg.hidden, _act_bytes(cfg)
     layers = cfg.layers // lay.pp
     m = lay.microbatches
-    tokens = cfg.global_batch * s
-    flops = tokens * (6 * active + 12 * cfg.layers * s * h)
-    if lay.recompute:
-        flops *= 8 / 6  # one more forward
-    compute = flops / cfg.devices / cfg.device_flops
     micro_bytes = lay.micro_batch * s * h * act
     passes = 6 if lay.recompute else 4  # all-reduces per layer: 2 forward, 2 backward (+2)
     tp_link = _link(cfg, lay.tp, 1)
-    tp = m * layers * passes * _all_reduce(lay.tp, micro_bytes, tp_link)
+    measured = _profiled_compute(cfg, lay, prof) if prof is not None else None
+    if measured is not None:  # the profiled block holds its tensor-parallel all-reduces
+        compute, tp = measured, 0.0
+    else:
+        tokens = cfg.global_batch * s
+        flops = tokens * (6 * active + 12 * cfg.layers * s * h)
+        if lay.recompute:
+            flops *= 8 / 6  # one more forward
+        compute = flops / cfg.devices / cfg.device_flops
+        tp = m * layers * passes * _all_reduce(lay.tp, micro_bytes, tp_link)
     ep = 0.0
     if lay.ep > 1:
         ep_link = _link(cfg, lay.ep, lay.tp)
@@ -197,7 +210,11 @@ def _time(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
     if lay.pp > 1:
         pp_link = _link(cfg, lay.pp, lay.tp * lay.ep * lay.dp)
         sent = micro_bytes / lay.tp if cfg.pp_scatter_gather else micro_bytes
-        p2p = 2 * m * (pp_link.alpha + sent / pp_link.bandwidth)
+        fit = prof.collective("p2p", 2) if prof is not None and pp_link.kind == "intra" else None
+        if fit is not None:
+            p2p = fit.time(2 * m * sent, 2 * m)
+        else:
+            p2p = 2 * m * (pp_link.alpha + sent / pp_link.bandwidth)
         if cfg.pp_scatter_gather and lay.tp > 1:  # the all-gather on the receiving side
             p2p += 2 * m * _half(lay.tp, micro_bytes, tp_link)
     bubble = (lay.pp - 1) / m * (compute + tp + ep)  # (pp-1) idle micro-batch slots
@@ -212,6 +229,11 @@ def _time(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
             lay.dp,
             _link(cfg, lay.dp, lay.tp * lay.ep),
         )
+    optimizer = 0.0
+    if prof is not None:
+        stepped = dense / (lay.tp * lay.pp) / (lay.dp * lay.ep if lay.stage >= 1 else 1)
+        stepped += expert / (lay.ep * lay.tp * lay.pp) / (lay.dp if lay.stage >= 1 else 1)
+        optimizer = prof.optimizer_time(lay.tp, stepped, sharded=lay.stage >= 2) or 0.0
     times = {
         "compute": compute,
         "tp_comm": tp,
@@ -219,9 +241,23 @@ def _time(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
         "pp_comm": p2p,
         "bubble": bubble,
         "dp_comm": dp,
+        "optimizer": optimizer,
     }
     times["total"] = sum(times.values())
     return times
+
+
+def _profiled_compute(cfg: StrategyConfig, lay: Layout, prof: Profile) -> float | None:
+    """Busy time of the slowest pipeline stage from the profile (``None``: tp not profiled, or
+    a MoE model, whose expert layers are not profiled). The non-block parts are all charged to
+    one stage (the last: the head and loss dominate them)."""
+    block = prof.block_time(lay.tp, lay.micro_batch)
+    outside = prof.outside_time(lay.tp, lay.micro_batch)
+    if block is None or outside is None or cfg.experts:
+        return None
+    if lay.recompute:
+        block *= 4 / 3  # one more forward of a forward + backward of 3 forwards' work
+    return lay.microbatches * (cfg.layers // lay.pp * block + outside)
 
 
 def _dp_time(cfg: StrategyConfig, lay: Layout, params: float, n: int, link: Link) -> float:
@@ -239,17 +275,25 @@ def _dp_time(cfg: StrategyConfig, lay: Layout, params: float, n: int, link: Link
     grad = 4 if cfg.dtype == "fp32" or cfg.layout == "fsdp2" else 2
     param = _act_bytes(cfg)
     units = cfg.layers // lay.pp + 1  # one collective per layer (and the root) for stages 2-3
+    prof = cfg.profile if link.kind == "intra" else None  # profiled on one machine
     if lay.stage <= 1:
         # this package's DDP: 25 MB buckets; the paper layout: one collective per layer, as
         # for stages 2-3, so that the stages differ only in bytes
         count = math.ceil(params * grad / _BUCKET_BYTES) if cfg.layout == "fsdp2" else units
+        fit = prof.collective("all_reduce", n) if prof is not None else None
+        if fit is not None:
+            return fit.time(params * grad, max(1, count))
         return _all_reduce(n, params * grad, link, max(1, count))
     if cfg.layout == "fsdp2":
         scatters, gathers = 1, m if lay.stage == 2 else 2 * m
     else:
         scatters, gathers = m, 1 if lay.stage == 2 else 2 * m
-    return scatters * _half(n, params * grad, link, units) + gathers * _half(
-        n, params * param, link, units
+    scatter = prof.collective("reduce_scatter", n) if prof is not None else None
+    gather = prof.collective("all_gather", n) if prof is not None else None
+    return scatters * (
+        scatter.time(params * grad, units) if scatter else _half(n, params * grad, link, units)
+    ) + gathers * (
+        gather.time(params * param, units) if gather else _half(n, params * param, link, units)
     )
 
 

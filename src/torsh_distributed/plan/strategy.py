@@ -5,9 +5,10 @@ the devices; tp inside a node and dividing the heads; pp dividing the layers; ep
 experts; the global batch divisible by the data-parallel replicas and their micro-batches),
 predicts each one's memory per device and step time (:mod:`._cost`: the ZeRO paper's model-state
 formulas, Korthikanti et al.'s activation count, an alpha-beta ring model of the collectives,
-the 1F1B bubble) and ranks them: the fastest layout that fits wins; equal predicted step times
-go to the one holding less memory. Every runner-up carries the reason it lost. See
-docs/planner.md for what is modelled and what is not.
+the 1F1B bubble; or, given a measured :class:`~.profile.Profile`, per-block, optimizer and
+collective times profiled on the target machine) and ranks them: the fastest layout that fits
+wins; equal predicted step times go to the one holding less memory. Every runner-up carries
+the reason it lost. See docs/planner.md for what is modelled and what is not.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from torsh_distributed.plan._cost import Estimate, Layout, estimate
 from torsh_distributed.plan.lr_scaling import LRScaling, lr_scaling
 from torsh_distributed.plan.memory import DTYPES, OPTIMIZERS, format_bytes
+from torsh_distributed.plan.profile import Profile
 
 __all__ = [
     "CLOSE",
@@ -114,6 +116,10 @@ class StrategyConfig:
     """The reference lr, to report the scaled one."""
     ref_warmup_steps: int = 0
     """Warm-up steps of the reference run (kept constant in samples)."""
+    profile: Profile | None = None
+    """Measured block, optimizer and collective times of this model on the target machine
+    (profile-guided mode, see :mod:`.profile`); ``None`` = the analytic model throughout. Terms
+    the profile does not cover keep the analytic formula."""
 
     def __post_init__(self) -> None:
         if self.params <= 0:
@@ -183,6 +189,15 @@ class StrategyConfig:
             raise ValueError(
                 "--params must exceed the experts' parameters (layers x experts x 8 hidden^2)"
             )
+        if self.profile is not None:
+            if isinstance(self.profile, dict):
+                self.profile = Profile.from_dict(self.profile)
+            prof = self.profile
+            if (prof.hidden, prof.seq_len) != (self.hidden, self.seq_len):
+                raise ValueError(
+                    f"--profile was measured at hidden {prof.hidden}, seq-len {prof.seq_len}; "
+                    f"this plan has --hidden {self.hidden}, --seq-len {self.seq_len}"
+                )
 
     @property
     def devices_per_node(self) -> int:
@@ -464,6 +479,8 @@ def explain(plan: StrategyPlan) -> str:
         f"({_describe_memory(best)}); step {t['total']:.3g} s = compute {t['compute']:.3g} + "
         f"communication {t['tp_comm'] + t['ep_comm'] + t['pp_comm'] + t['dp_comm']:.3g} + "
         f"bubble {t['bubble']:.3g}"
+        + (f" + optimizer {t['optimizer']:.3g}" if t.get("optimizer") else "")
+        + (" (profiled)" if cfg.profile is not None else "")
     )
     if not best.fits:
         return "nothing fits; least memory: " + head

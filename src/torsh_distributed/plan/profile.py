@@ -1,0 +1,143 @@
+"""A measured profile of the target machine for the strategy planner (profile-guided planning).
+
+Profile-guided planners (Alpa, Galvatron, Metis) time each layer under each parallel
+configuration on the target hardware, time the collectives, then plan from those numbers
+instead of a FLOP rate. :class:`Profile` holds such measurements as plain numbers (torch-free,
+JSON-able); ``benchmarks/bench_planner.py`` measures one on micro-benchmarks (one block, one
+optimizer step, raw collectives) before any training run. The planner
+(:mod:`torsh_distributed.plan._cost`) uses a profiled value wherever the profile has one and its
+analytic model elsewhere, term by term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Collective", "Profile"]
+
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective's measured cost over ``Profile.ranks`` ranks: ``alpha + bytes * beta``."""
+
+    alpha: float
+    """Seconds per call (latency, and the fixed cost of the library's call path)."""
+    beta: float
+    """Seconds per byte of the whole tensor (all-reduce, reduce-scatter input, all-gather
+    output) or of the message (p2p, one way)."""
+
+    def __post_init__(self) -> None:
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError(
+                f"collective alpha and beta must be >= 0, got {self.alpha}, {self.beta}"
+            )
+
+    def time(self, nbytes: float, count: float = 1.0) -> float:
+        """Seconds for ``count`` calls moving ``nbytes`` in all."""
+        return count * self.alpha + nbytes * self.beta
+
+
+def _per_micro_batch(table: dict[int, dict[int, float]], tp: int, micro_batch: int) -> float | None:
+    """The entry at ``micro_batch``, else the nearest measured micro-batch scaled linearly."""
+    row = table.get(tp)
+    if not row:
+        return None
+    if micro_batch in row:
+        return row[micro_batch]
+    near = min(row, key=lambda b: (abs(b - micro_batch), -b))
+    return row[near] * micro_batch / near
+
+
+@dataclass(kw_only=True, slots=True)
+class Profile:
+    """Measured per-layer, optimizer and collective costs of one model shape on one machine.
+
+    Tables are keyed by the tensor-parallel degree, then the micro-batch (sequences); a
+    micro-batch not measured is scaled linearly from the nearest one measured, a tp degree not
+    measured falls back to the analytic model (FLOPs / ``device_flops``, alpha-beta rings).
+    """
+
+    hidden: int
+    """Width of the model the blocks were timed on (must equal the plan's ``hidden``)."""
+    seq_len: int
+    """Sequence length of the timed micro-batches (must equal the plan's ``seq_len``)."""
+    ranks: int = 2
+    """Ranks the collectives were timed on (groups of other sizes use the analytic model); at
+    tp > 1 the blocks ran on ``tp`` ranks, and at tp 1 this many ranks ran them at once, as the
+    data-parallel replicas share the machine."""
+    block: dict[int, dict[int, float]] = field(default_factory=dict)
+    """Seconds of forward + backward of ONE transformer block: tp -> micro-batch -> s. At tp > 1
+    through the model's tensor-parallel plan: its all-reduces are inside this time."""
+    outside: dict[int, dict[int, float]] = field(default_factory=dict)
+    """Seconds of forward + backward of everything outside the blocks (embeddings, final norm,
+    head, loss): tp -> micro-batch -> s."""
+    optimizer: dict[int, float] = field(default_factory=dict)
+    """Seconds per local parameter of one optimizer step (gradient clipping included), as the
+    engine runs it at that tp (replicated parameters, or tp shards)."""
+    optimizer_sharded: float | None = None
+    """Seconds per local parameter of the step on ZeRO-2/3 (FSDP2) shards; ``None`` = the tp
+    entry."""
+    all_reduce: Collective | None = None
+    reduce_scatter: Collective | None = None
+    all_gather: Collective | None = None
+    p2p: Collective | None = None
+    """One-way send/recv between two ranks (pipeline activations and their gradients)."""
+    source: str = ""
+    """How and where it was measured (free text, reported with the plan)."""
+
+    def __post_init__(self) -> None:
+        if self.hidden < 1 or self.seq_len < 1 or self.ranks < 1:
+            raise ValueError("profile hidden, seq_len and ranks must be >= 1")
+        for name in ("block", "outside"):
+            for tp, row in getattr(self, name).items():
+                if tp < 1 or any(b < 1 or t < 0 for b, t in row.items()):
+                    raise ValueError(
+                        f"profile {name}[{tp}]: degrees and micro-batches >= 1, times >= 0"
+                    )
+        if any(tp < 1 or t < 0 for tp, t in self.optimizer.items()):
+            raise ValueError("profile optimizer: degrees >= 1, times >= 0")
+
+    def block_time(self, tp: int, micro_batch: int) -> float | None:
+        """Seconds of one block's forward + backward, or ``None`` if ``tp`` was not profiled."""
+        return _per_micro_batch(self.block, tp, micro_batch)
+
+    def outside_time(self, tp: int, micro_batch: int) -> float | None:
+        return _per_micro_batch(self.outside, tp, micro_batch)
+
+    def optimizer_time(self, tp: int, params: float, *, sharded: bool) -> float | None:
+        per = self.optimizer_sharded if sharded and self.optimizer_sharded is not None else None
+        per = per if per is not None else self.optimizer.get(tp)
+        return None if per is None else per * params
+
+    def collective(self, kind: str, ranks: int) -> Collective | None:
+        """The measured ``kind`` (all_reduce, reduce_scatter, all_gather, p2p) for a group of
+        ``ranks``, or ``None`` (not measured, or measured on another group size)."""
+        assert kind in _COLLECTIVES, kind
+        if kind == "p2p":  # always between two ranks
+            return self.p2p
+        return getattr(self, kind) if ranks == self.ranks else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """Inverse of :meth:`to_dict`, also after a JSON round trip (string keys)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown profile fields: {', '.join(sorted(unknown))}")
+        kw = dict(data)
+        for name in ("block", "outside"):
+            kw[name] = {
+                int(tp): {int(b): float(t) for b, t in row.items()}
+                for tp, row in kw.get(name, {}).items()
+            }
+        kw["optimizer"] = {int(tp): float(t) for tp, t in kw.get("optimizer", {}).items()}
+        for name in _COLLECTIVES:
+            if kw.get(name) is not None:
+                kw[name] = Collective(**kw[name])
+        return cls(**kw)

@@ -9,6 +9,9 @@ well as SLURM's and Open MPI's; a plain ``python script.py`` is a world of one, 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import datetime
 import enum
 import warnings
 from dataclasses import dataclass
@@ -193,6 +196,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if _layout is not None and dist.is_initialized():
         return
     rt = _world.init()
+    atexit.unregister(_leave_together)
+    atexit.register(_leave_together)  # runs before the runtime's own exit hook
     info = rt.info
     me = (info.rank, info.node_rank, info.local_rank, info.local_world_size)
     everyone: list[Any] = [None] * info.world_size
@@ -210,6 +215,19 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         cross_size=len(same_local),
         homogeneous=len({ls for *_, ls in everyone}) == 1,
     )
+
+
+def _leave_together() -> None:
+    """At exit (Horovod scripts rarely call ``hvd.shutdown()``): wait, at most 10 s, until every
+    rank is leaving, then destroy the group. Measured under load: a rank that tears its Gloo
+    group down while a peer still holds its connections can abort the peer at exit
+    ("terminate called without an active exception")."""
+    if _layout is None or not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        with contextlib.suppress(Exception):  # a dead peer: leave anyway, bounded
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+    shutdown()
 
 
 def shutdown() -> None:

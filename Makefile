@@ -33,7 +33,7 @@ demo: install
 		--max-new-tokens 200 --temperature 0.8 --seed 0
 
 test: install system-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

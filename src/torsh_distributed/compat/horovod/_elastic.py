@@ -27,6 +27,7 @@ directory others can write.
 
 from __future__ import annotations
 
+import abc
 import copy
 import functools
 import math
@@ -79,7 +80,7 @@ def _commit_path() -> str | None:
     return os.path.join(directory, _COMMIT_FILE) if directory else None
 
 
-class State:
+class State(abc.ABC):
     """Horovod's base state: reset callbacks and ``commit`` (save, then persist on rank 0)."""
 
     def __init__(self, bcast_object: Callable[..., Any], get_rank: Callable[[], int]) -> None:
@@ -105,7 +106,7 @@ class State:
         self._persist()
         self.check_host_updates()
 
-    def check_host_updates(self) -> None:
+    def check_host_updates(self) -> None:  # noqa: B027 - a no-op hook
         """Nothing to check: host changes reach the workers as a restart by torch's agent."""
 
     def _persist(self) -> None:
@@ -151,22 +152,22 @@ class State:
     def _payload(self) -> dict[str, Any]:
         return {}
 
-    def _load(self, payload: dict[str, Any]) -> None:
+    def _load(self, payload: dict[str, Any]) -> None:  # noqa: B027 - a no-op hook
         """Make ``payload`` the committed state and restore it."""
 
+    @abc.abstractmethod
     def save(self) -> None:
         """Save the state in memory."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def restore(self) -> None:
         """Return to the last saved state."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sync(self) -> None:
         """Make every rank's state equal to rank 0's (collective)."""
-        raise NotImplementedError
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 - a no-op hook
         """Called on reset before the callbacks."""
 
 
@@ -199,12 +200,12 @@ class ObjectState(State):
     def _payload(self) -> dict[str, Any]:
         return {"objects": self._saved_state}
 
-    def _load(self, payload: dict[str, Any]) -> None:
+    def _load(self, payload: dict[str, Any]) -> None:  # noqa: B027 - a no-op hook
         self._saved_state = payload["objects"]
         ObjectState.restore(self)
 
 
-class StateHandler:
+class StateHandler(abc.ABC):
     """Save / restore / sync of one stateful object held by :class:`TorchState`."""
 
     def __init__(self, value: Any) -> None:
@@ -218,8 +219,9 @@ class StateHandler:
     def restore(self) -> None:
         self.value.load_state_dict(copy.deepcopy(self.saved))
 
+    @abc.abstractmethod
     def sync(self) -> None:
-        raise NotImplementedError
+        """Make every rank's copy equal to rank 0's (collective)."""
 
     def set_value(self, value: Any) -> None:
         self.value = value
@@ -300,7 +302,7 @@ class TorchState(ObjectState):
         out["handlers"] = {key: h.saved for key, h in self._handlers.items()}
         return out
 
-    def _load(self, payload: dict[str, Any]) -> None:
+    def _load(self, payload: dict[str, Any]) -> None:  # noqa: B027 - a no-op hook
         for key, saved in payload.get("handlers", {}).items():
             if key in self._handlers:
                 self._handlers[key].saved = saved
@@ -348,7 +350,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.processed_num = state_dict["processed_num"]
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 - a no-op hook
         """Re-shard the unprocessed samples over the current ranks."""
         self.num_replicas = size()
         self.rank = rank()

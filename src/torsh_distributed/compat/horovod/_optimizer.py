@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -129,8 +129,8 @@ class _Common:
                 self._launch(self._order[self._next])
                 self._next += 1
 
-    def _launch(self, p: torch.Tensor) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    _launch: Callable[[torch.Tensor], None]
+    """Start reducing ``p``'s gradient (each optimizer class defines it)."""
 
     def _launch_rest(self) -> None:
         while self._next < len(self._order):

@@ -14,13 +14,14 @@ $(PY):
 # torch is pinned here (the machine's CPU build); the package itself requires torch>=2.4.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot]"
+	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot,ray,dask]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# Debian packages the integration tests use (redis-server, prometheus, chromium); installed only when missing and
-# when we are root with apt-get, otherwise those tests skip with a reason.
+# Debian packages the integration tests use (redis-server, prometheus, chromium, SLURM, Open MPI); installed only
+# when missing and when we are root with apt-get, otherwise those tests skip with a reason. `make test` installs
+# them before the Python packages: mpi4py compiles against Open MPI's headers.
 system-deps:
 	@bash scripts/install-system-deps.sh
 
@@ -32,7 +33,7 @@ demo: install
 	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n' \
 		--max-new-tokens 200 --temperature 0.8 --seed 0
 
-test: install system-deps
+test: system-deps install
 	$(PY) -m pytest -q --durations=30 tests
 
 lint: install

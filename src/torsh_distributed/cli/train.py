@@ -296,10 +296,17 @@ def _handle(args: argparse.Namespace) -> int:
         from torsh_distributed.cli.ps_train import handle_ps
 
         return handle_ps(args, config, user, options)
-    inside_launch = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # Already one rank of a job (torchrun / `torsh-dist run`, srun, mpirun): train here, on the
+    # world that launcher describes, instead of launching again.
+    from torsh_distributed.runtime.env import detect_environment
+
+    world = detect_environment(os.environ)
+    inside_launch = world is not None
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
-    if ":" not in options.nnodes:  # a fixed world: check what depends on its size
+    if world is not None:
+        _check_world(config, world.world_size, user)
+    elif ":" not in options.nnodes:  # a fixed world: check what depends on its size
         _check_world(config, options.nproc_per_node * int(options.nnodes), user)
     if inside_launch or (options.nproc_per_node == 1 and options.nnodes in ("1", "1:1")):
         return _train_here(config, user)

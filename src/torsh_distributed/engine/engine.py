@@ -418,7 +418,7 @@ class Engine:
 
             val_loss = float("nan")
             val_history: list[tuple[int, float]] = []  # (step, val loss) of each evaluation
-            loop_time = 0.0
+            loop_time, first_step_at = 0.0, float("nan")
             for step in range(start_step, cfg.max_steps):
                 t0 = time.perf_counter()
                 monitor.step_begin(step)
@@ -464,6 +464,8 @@ class Engine:
                 compression.observe_loss(global_loss)
                 monitor.step_end(step + 1, loss=global_loss, lr=lr, grad_norm=grad_norm)
                 loop_time += time.perf_counter() - t0
+                if first_step_at != first_step_at:  # NaN: this is the first step of this process
+                    first_step_at = time.time()
                 ckpt.step_end(step + 1, losses)  # save if due
                 if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
                     val_loss = evaluate()
@@ -502,6 +504,7 @@ class Engine:
                 tokens_per_s=samples_per_s * self.tokens_per_sample,
                 world_size=runtime.world_size,
                 wall_time_s=time.perf_counter() - started,
+                first_step_unix_s=first_step_at,
                 num_params=built.num_params,
                 backend=runtime.backend,
                 layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},

@@ -105,6 +105,9 @@ _LABELS = {
 }
 
 
+_JSON_ONLY = frozenset({"first_step_unix_s"})  # a timestamp: for tools reading --summary-json
+
+
 def _flatten(summary: Mapping[str, object], prefix: str = "") -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     for key, value in summary.items():
@@ -122,7 +125,7 @@ def format_summary(summary: Mapping[str, object]) -> str:
     Nested sections (``{"compression": {"ratio": 4.0}}``) become rows such as
     ``compression ratio``; lists are left to the JSON summary.
     """
-    rows = _flatten(summary)
+    rows = _flatten({k: v for k, v in summary.items() if k not in _JSON_ONLY})
     order = list(_LABELS.values())
     rows.sort(key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
     width = max(len(k) for k, _ in rows)

@@ -39,6 +39,9 @@ class TrainResult:
     """Number of ranks."""
     wall_time_s: float
     """Seconds from start of setup to the end of the final evaluation."""
+    first_step_unix_s: float = float("nan")
+    """Wall-clock time (``time.time()``, this host's clock) when this process finished its first
+    training step: launchers' start-up cost is this minus the moment the job was started."""
     num_params: int
     """Parameters of the model (global sizes: shards count once)."""
     backend: str

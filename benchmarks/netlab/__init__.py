@@ -201,6 +201,16 @@ class NetLab:
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._old_handlers.clear()
 
+    def kill_host(self, host: int, sig: int = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` to every process inside ``host``'s namespace (a node dying); returns pids."""
+        pids = [int(p) for p in _sh("ip", "netns", "pids", self.namespaces[host], check=False).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
     # -- running things ------------------------------------------------------------------------
     def popen(
         self,

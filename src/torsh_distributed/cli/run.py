@@ -114,6 +114,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--node-rank). Default: c10d",
     )
     group.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="c10d rendezvous settings in seconds, e.g. last_call_timeout=5 (how long an elastic "
+        "job waits for more nodes once MIN joined; default 30), join_timeout, close_timeout, "
+        "read_timeout, keep_alive_interval, keep_alive_max_attempt",
+    )
+    group.add_argument(
         "--rdzv-id",
         "--rdzv_id",
         dest="rdzv_id",
@@ -196,6 +206,18 @@ def _resolve_filter(value: object) -> frozenset[int] | None:
         ) from None
 
 
+def _resolve_rdzv_conf(value: object) -> dict[str, str]:
+    if value is None or value == "":
+        return {}
+    conf = {}
+    for part in str(value).split(","):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"rdzv_conf must be KEY=VALUE pairs separated by commas, got {value!r}")
+        conf[key.strip()] = val.strip()
+    return conf
+
+
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """The :class:`LaunchOptions` named by the flags of :func:`add_launch_arguments`.
 
@@ -210,6 +232,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         master_port=args.master_port,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_backend=args.rdzv_backend,
+        rdzv_conf=_resolve_rdzv_conf(getattr(args, "rdzv_conf", None)),
         rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,

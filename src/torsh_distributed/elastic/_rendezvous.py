@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from torsh_distributed.elastic._network import Route
 from torsh_distributed.runtime.env import DEFAULT_MASTER_PORT
 from torsh_distributed.runtime.errors import ConfigurationError
 
@@ -106,6 +107,8 @@ class Plan:
     endpoint: str
     configs: dict[str, Any]
     listener: socket.socket | None = None
+    route: Route | None = None
+    """Several nodes: how this node reaches the master (set by the launcher's network check)."""
 
 
 def _url_host(addr: str) -> str:
@@ -140,7 +143,7 @@ def _listen(addr: str, port: int) -> socket.socket:
 
 def plan(options: LaunchOptions) -> Plan:
     if options.rdzv_endpoint is not None:
-        configs: dict[str, Any] = {"timeout": RDZV_TIMEOUT_S}
+        configs: dict[str, Any] = {"timeout": RDZV_TIMEOUT_S, **options.rdzv_conf}
         if options.rdzv_backend == "static":
             configs["rank"] = options.node_rank
         return Plan(options.rdzv_backend, options.rdzv_endpoint.strip(), configs)

@@ -53,7 +53,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
+from torsh_distributed.elastic import _network as _net
 from torsh_distributed.elastic._rendezvous import LOCAL_BACKEND as _LOCAL_BACKEND
+from torsh_distributed.elastic._rendezvous import RDZV_TIMEOUT_S as _RDZV_TIMEOUT_S
 from torsh_distributed.elastic._rendezvous import Plan as _Plan
 from torsh_distributed.elastic._rendezvous import is_loopback as _is_loopback
 from torsh_distributed.elastic._rendezvous import loopback_interface as _loopback_interface
@@ -61,9 +63,17 @@ from torsh_distributed.elastic._rendezvous import plan as _plan
 from torsh_distributed.elastic._report import report_failure as _report
 from torsh_distributed.runtime.errors import ProcessFailureError
 
-__all__ = ["LaunchOptions", "launch", "RDZV_BACKENDS", "LOG_LINE_PREFIX", "parse_nnodes"]
+__all__ = ["LaunchOptions", "launch", "RDZV_BACKENDS", "LOG_LINE_PREFIX", "parse_nnodes", "RDZV_CONF_KEYS"]
 
 RDZV_BACKENDS = ("c10d", "static")
+RDZV_CONF_KEYS = (
+    "last_call_timeout",
+    "join_timeout",
+    "close_timeout",
+    "read_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+)
 LOG_LINE_PREFIX = "[rank${rank}]: "
 """Prefix of each worker output line (torch's ``log_line_prefix_template``)."""
 
@@ -71,6 +81,9 @@ _BOOTSTRAP = "torsh_distributed.elastic._bootstrap"
 _DEFAULT_C10D_PORT = 29400
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+UNREACHABLE_AFTER_S = 10.0
+"""A node gives up when the master's address does not answer at all for this long (a wrong
+address or a firewall); "connection refused" (node 0 not started yet) is waited for."""
 
 def parse_nnodes(nnodes: str) -> tuple[int, int]:
     """``"N"`` -> ``(N, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)``; ValueError naming ``nnodes``."""
@@ -126,6 +139,12 @@ class LaunchOptions:
     """Rendezvous used with ``rdzv_endpoint``: ``"c10d"`` (elastic, torch's recommendation) or
     ``"static"`` (fixed node count, ranked by ``node_rank``). Without an endpoint the launcher uses
     a static rendezvous on ``master_addr``."""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    """Settings of the c10d rendezvous (torchrun's ``--rdzv-conf``), seconds as strings:
+    ``last_call_timeout`` (default 30: after MIN nodes joined, how long to wait for more before
+    starting; also each time an elastic job re-forms), ``join_timeout`` (600), ``close_timeout``
+    (30), ``read_timeout`` (60), ``keep_alive_interval`` (5) and ``keep_alive_max_attempt`` (3):
+    a node whose agent stops answering for interval x attempts is dropped at the next round."""
     rdzv_id: str = "torsh"
     """Job id shared by all nodes of a job; jobs sharing one rendezvous endpoint need distinct ids."""
     max_restarts: int = 0
@@ -171,6 +190,22 @@ class LaunchOptions:
                 raise ValueError(f"rdzv_endpoint must be 'host[:port]': {exc}") from None
             if not self.rdzv_endpoint.strip():
                 raise ValueError("rdzv_endpoint must be 'host[:port]', got an empty string")
+        if not isinstance(self.rdzv_conf, Mapping):
+            raise TypeError(f"rdzv_conf must be a mapping, got {type(self.rdzv_conf).__name__}")
+        for key, value in self.rdzv_conf.items():
+            if key not in RDZV_CONF_KEYS:
+                raise ValueError(
+                    f"rdzv_conf: unknown key {key!r}; known: {', '.join(RDZV_CONF_KEYS)}"
+                )
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"rdzv_conf: {key} must be a number, got {value!r}") from None
+            if not number > 0:
+                raise ValueError(f"rdzv_conf: {key} must be > 0, got {value!r}")
+        self.rdzv_conf = {k: str(v) for k, v in self.rdzv_conf.items()}
+        if self.rdzv_conf and (self.rdzv_endpoint is None or self.rdzv_backend != "c10d"):
+            raise ValueError("rdzv_conf applies to the c10d rendezvous (rdzv_endpoint set)")
         if not isinstance(self.rdzv_id, str) or not self.rdzv_id:
             raise ValueError(f"rdzv_id must be a non-empty string, got {self.rdzv_id!r}")
         _check_int("max_restarts", self.max_restarts, low=0)
@@ -235,11 +270,68 @@ def _worker_env(options: LaunchOptions, plan: _Plan) -> dict[str, str]:
     env = dict(options.env)
     if options.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env.setdefault("OMP_NUM_THREADS", "1")
-    if plan.backend == _LOCAL_BACKEND and _is_loopback(options.master_addr):
-        lo = _loopback_interface()
-        if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
-            env.setdefault("GLOO_SOCKET_IFNAME", lo)
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        if plan.backend == _LOCAL_BACKEND and _is_loopback(options.master_addr):
+            lo = _loopback_interface()
+            if lo:
+                env.setdefault("GLOO_SOCKET_IFNAME", lo)
+        elif plan.route is not None:  # several nodes: the interface the master is reached by
+            env.setdefault("GLOO_SOCKET_IFNAME", plan.route.interface)
+    if plan.route is not None:
+        env.setdefault("TORSH_NODE_ADDR", plan.route.local_ip)  # names this node in reports
+    if plan.backend == "c10d":
+        # torch's c10d rendezvous otherwise keeps ONE workers' store for every round: after a
+        # restart or a membership change the new workers read the dead ones' Gloo addresses and
+        # fail with "connection refused" (seen on the network lab). With sharing off, rank 0 of
+        # every round starts a fresh store, as torch's own comment on restarts assumes.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
+
+
+def _check_network(options: LaunchOptions, plan: _Plan) -> None:
+    """Several nodes: find the route to the master, decide who hosts a c10d store, and wait
+    (bounded) until the master answers, so a wrong address fails in seconds, naming it."""
+    if plan.backend == _LOCAL_BACKEND:
+        return
+    host, port = parse_rendezvous_endpoint(plan.endpoint, default_port=_DEFAULT_C10D_PORT)
+    plan.route = route = _net.route_to(host, port)
+    hosts_store = _net.is_local(route.master_ip) and (
+        plan.backend == "c10d" or options.node_rank == 0
+    )
+    if plan.backend == "c10d" and "is_host" not in plan.configs:
+        # torch decides by host name, which fails where names resolve to loopback (or every
+        # node shares one name); the address tells, and a taken port means another agent of
+        # this machine hosts it already.
+        plan.configs["is_host"] = hosts_store and _net.port_is_free(route.master_ip, port)
+    note = options.verbose or (
+        _net.hostname_is_loopback() and "GLOO_SOCKET_IFNAME" not in os.environ
+    )
+    if note:
+        print(
+            f"torsh-dist: this node reaches the master {route.master_ip} through "
+            f"{route.interface} ({route.local_ip}); Gloo uses {route.interface} "
+            "(set GLOO_SOCKET_IFNAME to choose another interface)",
+            file=sys.stderr,
+            flush=True,
+        )
+    if hosts_store:
+        return
+
+    def waiting(seconds: float) -> None:
+        print(
+            f"torsh-dist: waiting for the master's store at {route.master_ip}:{port} "
+            f"({seconds:.0f} s; start node 0)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    _net.wait_for_master(
+        route,
+        port,
+        unreachable_after_s=UNREACHABLE_AFTER_S,
+        give_up_after_s=_RDZV_TIMEOUT_S,
+        on_wait=waiting,
+    )
 
 
 # --- process-wide state the agent touches -----------------------------------------------------
@@ -367,6 +459,7 @@ def launch(
         target = ["-m", module]
 
     plan = _plan(options)
+    _check_network(options, plan)
     own_log_dir = options.log_dir is None
     log_dir = tempfile.mkdtemp(prefix="torsh-run-") if own_log_dir else str(options.log_dir)
     try:
@@ -389,6 +482,9 @@ def launch(
             max_restarts=options.max_restarts,
             monitor_interval=options.monitor_interval,
             log_line_prefix_template=LOG_LINE_PREFIX,
+            # the address peers reach this node at (torch would resolve the host name, which
+            # may be loopback): where node 0 runs the workers' store, and what it publishes
+            local_addr=plan.route.local_ip if plan.route is not None else None,
         )
         cmd_args = ["-u", "-m", _BOOTSTRAP, *target, *args]
         if options.verbose:

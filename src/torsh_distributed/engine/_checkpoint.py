@@ -24,6 +24,12 @@ from torch import nn
 from torsh_distributed.checkpoint import faults
 from torsh_distributed.checkpoint.config import CheckpointConfig
 from torsh_distributed.checkpoint.manager import CheckpointManager
+from torsh_distributed.checkpoint.progress import (
+    describe_restart,
+    node_label,
+    read_progress,
+    record_progress,
+)
 from torsh_distributed.checkpoint.resume import check_data_position, data_position
 from torsh_distributed.data.sampler import GlobalSampler, check_sampler_state
 from torsh_distributed.runtime import world
@@ -125,11 +131,26 @@ class RunCheckpoint:
                 layout=layout,
             )
         self.saving = bool(self.section.dir)
+        self.lost_steps: int | None = None
+        self._members: list[dict[str, Any]] = []
+
+    def _gather_members(self) -> None:
+        """Who runs this attempt (rank, node, host), for ``progress.json``: one collective."""
+        me = {"rank": self.rank, "node": world.node_rank(), "host": node_label()}
+        if world.world_size() == 1 or not torch.distributed.is_initialized():
+            self._members = [me]
+            return
+        gathered: list[Any] = [None] * world.world_size()
+        torch.distributed.all_gather_object(gathered, me)
+        self._members = [m for m in gathered if m is not None]
 
     def resume(self) -> tuple[int, list[float]]:
         """Load the checkpoint ``--resume`` names; return the step to start at and past losses."""
+        if self.saving:
+            self._gather_members()
         if self.manager is None or self.section.resume == "never":
             return 0, []
+        previous = read_progress(self.section.dir) if self.saving and self.is_main else None
         path = None if self.section.resume == "auto" else self.section.resume
         loaded = self.manager.load(model=self.model, optimizer=self.optimizer, path=path)
         if loaded is None:
@@ -170,6 +191,11 @@ class RunCheckpoint:
                 )
             )
             self.write(f"checkpoint: resumed from {loaded.path} at step {step}{note}")
+            if previous is not None:
+                self.lost_steps, line = describe_restart(
+                    previous, resumed_step=step, world_size=world.world_size(), members=self._members
+                )
+                self.write(f"checkpoint: {line}")
             if missing:
                 self.write(
                     f"checkpoint: {', '.join(missing)} state not in the checkpoint "
@@ -223,6 +249,10 @@ class RunCheckpoint:
         if self.resumed_step is not None and not self._first_step_logged and self.is_main:
             faults.log_event("first_step", rank=self.rank, step=step)
         self._first_step_logged = True
+        if self.saving and self.is_main:
+            record_progress(
+                self.section.dir, step=step, world_size=world.world_size(), members=self._members
+            )
         if self.saving and self.manager is not None and step < self.max_steps:
             if self.manager.due(step):
                 self._save(step, losses)
@@ -256,4 +286,5 @@ class RunCheckpoint:
             "saves": self.manager.num_saves,
             "stall_s": round(self.manager.total_stall_s, 4),
             "resumed_step": self.resumed_step,
+            "lost_steps": self.lost_steps,
         }

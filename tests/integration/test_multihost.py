@@ -1,0 +1,197 @@
+"""Several hosts for real: ``torsh-dist`` on network-namespace hosts (benchmarks/netlab).
+
+Every host is a namespace with its own ``eth0``; they share this machine's host name, which
+resolves to 127.0.0.1 here, the set-up where Gloo used to advertise loopback to its peers. No test
+sets ``GLOO_SOCKET_IFNAME``: the launcher must find the interface toward the master itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from netlab import NetLab, available  # noqa: E402
+
+REASON = available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network lab unavailable: {REASON}")
+
+CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
+_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+         "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_ERROR_FILE", "TORSH_NODE_ADDR")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _train_args(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
+    return [
+        "--preset", "tiny", "--batch-size", "12", "--max-steps", str(steps), "--log-every", "5",
+        "--summary-json", str(tmp / f"{name}.json"), "--checkpoint-dir", str(tmp / name),
+        "--progress", "false", *extra,
+    ]
+
+
+def _reference(tmp: Path, steps: int) -> dict:
+    """The same training (same global batch) in one process on this host."""
+    args = _train_args(tmp, f"ref{steps}", steps, "--resume", "never")
+    done = subprocess.run(
+        [*CLI, "train", *args], env=_env(), capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads((tmp / f"ref{steps}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """``reference(steps)``: one-process results, computed once per step count."""
+    tmp, done = tmp_path_factory.mktemp("reference"), {}
+
+    def get(steps: int) -> dict:
+        if steps not in done:
+            done[steps] = _reference(tmp, steps)
+        return done[steps]
+
+    return get
+
+
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    outs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        outs.append(out.decode(errors="replace"))
+    return outs
+
+
+def _start(lab: NetLab, host: int, argv: list[str]) -> subprocess.Popen[bytes]:
+    return lab.popen(host, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hosts, backend", [(2, "static"), (3, "c10d")])
+def test_hosts_of_two_ranks_train_like_one_host(
+    tmp_path: Path, reference, hosts: int, backend: str
+) -> None:
+    steps = 8
+    ref = reference(steps)
+    with NetLab(hosts=hosts, rate_mbit=0, net=40 + hosts) as lab:
+        procs = []
+        for host in range(hosts):
+            if backend == "static":
+                launch = ["--nnodes", str(hosts), "--node-rank", str(host),
+                          "--master-addr", lab.address(0), "--master-port", "29611"]
+            else:
+                launch = ["--nnodes", str(hosts), "--rdzv-endpoint", f"{lab.address(0)}:29612"]
+            argv = [*CLI, "train", *launch, "--nproc-per-node", "2",
+                    *_train_args(tmp_path, "multi", steps, "--resume", "never")]
+            procs.append(_start(lab, host, argv))
+        outs = _wait_all(procs, 200)
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * hosts, "\n=====\n".join(o[-3000:] for o in outs)
+    got = json.loads((tmp_path / "multi.json").read_text())
+    assert got["world_size"] == 2 * hosts
+    assert got["initial_loss"] == pytest.approx(ref["initial_loss"], abs=1e-5)
+    assert got["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-5)
+    # The launcher chose eth0 by itself (the host name resolves to loopback on this machine).
+    assert "Gloo uses eth0" in outs[1] or not _hostname_is_loopback()
+
+
+def _hostname_is_loopback() -> bool:
+    from torsh_distributed.elastic._network import hostname_is_loopback
+
+    return hostname_is_loopback()
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_master_is_reported_in_seconds(tmp_path: Path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("print('never runs')\n")
+    with NetLab(hosts=1, rate_mbit=0, net=45) as lab:
+        missing = "10.77.45.99"  # in the lab's subnet, but no host has it
+        start = time.monotonic()
+        done = lab.run(
+            0,
+            [*CLI, "run", "--nnodes", "2", "--node-rank", "1", "--master-addr", missing,
+             "--master-port", "29613", str(script)],
+            timeout=90,
+        )
+        took = time.monotonic() - start
+    assert done.returncode != 0
+    assert f"cannot reach the master {missing}:29613" in done.stderr, done.stderr[-2000:]
+    assert "eth0" in done.stderr  # names the interface it tried from
+    assert took < 40, f"took {took:.0f} s"
+
+
+def _progress(directory: Path) -> dict:
+    try:
+        return json.loads((directory / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_progress(directory: Path, procs: Sequence[subprocess.Popen[bytes]], test, what: str,
+                   timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        progress = _progress(directory)
+        if progress and test(progress):
+            return progress
+        if any(p.poll() is not None for p in procs):
+            outs = _wait_all(procs, 5)
+            pytest.fail(f"the job ended before {what}:\n" + "\n=====\n".join(o[-3000:] for o in outs))
+        time.sleep(0.1)  # polling a file the job writes
+    pytest.fail(f"timed out waiting for {what}; progress {_progress(directory)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_one_is_killed(
+    tmp_path: Path, reference
+) -> None:
+    steps = 120
+    ref = reference(steps)
+    ckpt = tmp_path / "elastic"
+    # 50 Mbit links slow each step (~0.1 s) so a joining node arrives while the job runs.
+    with NetLab(hosts=3, rate_mbit=50, net=46) as lab:
+
+        def argv() -> list[str]:
+            return [*CLI, "train", "--nnodes", "2:3", "--rdzv-endpoint", f"{lab.address(0)}:29614",
+                    "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3",
+                    "--nproc-per-node", "2",
+                    *_train_args(tmp_path, "elastic", steps, "--checkpoint.every", "10")]
+
+        first = [_start(lab, 0, argv()), _start(lab, 1, argv())]
+        _wait_progress(ckpt, first, lambda p: p["step"] >= 10, "step 10 at 4 ranks")
+        joiner = _start(lab, 2, argv())
+        grown = _wait_progress(ckpt, first, lambda p: p["world_size"] == 6, "the node joined")
+        _wait_progress(ckpt, first, lambda p: p["step"] >= grown["step"] + 5, "5 steps at 6 ranks")
+        assert lab.kill_host(2)  # the node dies: agent and both workers, SIGKILL
+        outs = _wait_all(first, 240)
+        joiner.wait(timeout=10)
+    codes = [p.returncode for p in first]
+    assert codes == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
+    got = json.loads((tmp_path / "elastic.json").read_text())
+    assert got["steps"] == steps and got["world_size"] == 4
+    log = outs[0]
+    assert "world size 4 -> 6; joined: " in log, log[-3000:]
+    assert "world size 6 -> 4; left: " in log and "(ranks 4,5)" in log, log[-3000:]
+    assert got["checkpoint"]["lost_steps"] is not None and got["checkpoint"]["lost_steps"] >= 0
+    # The same global batch at 4, 6 and 4 ranks: the loss curve continues where it was.
+    assert got["final_loss"] == pytest.approx(ref["final_loss"], abs=2e-3)

@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("torsh_distributed.cli.infer", fromlist=["register"]).register(sub)
     __import__("torsh_distributed.cli.horovodrun", fromlist=["register"]).register(sub)
     __import__("torsh_distributed.cli.serve", fromlist=["register"]).register(sub)
+    __import__("torsh_distributed.cli.slurm", fromlist=["register"]).register(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ per-process values are torchrun's.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -187,12 +188,25 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
 class SlurmEnvironment:
     """``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ...
 
-    The master is ``MASTER_ADDR`` if set, else the first host of ``SLURM_JOB_NODELIST``; the port
-    is ``MASTER_PORT`` if set, else derived from ``SLURM_JOB_ID`` so concurrent jobs on one node
-    do not collide.
+    The master is ``MASTER_ADDR`` if set, else the first host of the step's node list
+    (``SLURM_STEP_NODELIST``, where rank 0 runs; the job's list only outside a step); the port is
+    ``MASTER_PORT`` if set, else :meth:`job_port`.
     """
 
     name = "slurm"
+
+    PORT_BASE, PORT_SPAN = 15000, 17000
+    """:meth:`job_port` lands in ``[15000, 32000)``: below Linux's ephemeral ports (32768+), so a
+    port the kernel hands to a client cannot sit on it."""
+
+    @classmethod
+    def job_port(cls, job_id: int, step_id: int = 0) -> int:
+        """``15000 + (job_id + 1000 * step_id) % 17000``, the same on every task of a step.
+
+        Jobs whose ids differ by less than 17,000 never share a port, and neither do up to 17
+        concurrent steps of one job (``srun ... & srun ... & wait``).
+        """
+        return cls.PORT_BASE + (job_id + 1000 * step_id) % cls.PORT_SPAN
 
     def detect(self, env: Mapping[str, str]) -> bool:
         return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
@@ -210,12 +224,19 @@ class SlurmEnvironment:
             local_world = world // max(int(env.get("SLURM_NNODES", "1")), 1)
         master = env.get("MASTER_ADDR")
         if master is None:
-            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            nodelist = (
+                env.get("SLURM_STEP_NODELIST")
+                or env.get("SLURM_NODELIST")  # srun sets it to the step's list too
+                or env.get("SLURM_JOB_NODELIST")
+            )
             if nodelist:
                 master = expand_slurm_nodelist(nodelist)[0]
         port = _port(env)
         if port is None and "SLURM_JOB_ID" in env:
-            port = 15000 + int(env["SLURM_JOB_ID"]) % 20000
+            step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+            port = self.job_port(
+                _int(env, "SLURM_JOB_ID", self.name), int(step) if step.isdigit() else 0
+            )
         return WorldInfo(
             rank=rank,
             world_size=world,
@@ -231,11 +252,21 @@ class SlurmEnvironment:
 class MPIEnvironment:
     """Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``.
 
-    Open MPI does not publish a rendezvous address: ``MASTER_ADDR`` must be exported to all ranks
-    (``mpirun -x MASTER_ADDR=host0 ...``). The node index assumes by-slot (block) placement.
+    Open MPI publishes no rendezvous address. ``MASTER_ADDR`` (and ``MASTER_PORT``) exported to
+    every rank (``mpirun -x MASTER_ADDR=host0 ...``) wins; without it :func:`~torsh_distributed.
+    runtime.init` derives one (``runtime/_mpi.py``) from :meth:`single_node` and
+    :meth:`job_port`, which only read variables, as detection must. The node index assumes
+    by-slot (block) placement.
     """
 
     name = "mpi"
+
+    JOB_ID_VARIABLES = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
+    """Variables naming the job, the same on every rank and different for each ``mpirun``: PMIx's
+    namespace (Open MPI 4 and 5), then Open MPI 4's job id."""
+    PORT_RANGE = (20000, 32000)
+    """Where :meth:`job_port` lands: above most registered services, below Linux's ephemeral
+    ports (32768+), so a port the kernel hands out to a client cannot sit on it."""
 
     def detect(self, env: Mapping[str, str]) -> bool:
         return "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env
@@ -255,6 +286,34 @@ class MPIEnvironment:
             master_port=_port(env),
             source=self.name,
         )
+
+    @staticmethod
+    def single_node(env: Mapping[str, str]) -> bool:
+        """True when every rank of the job runs on this node.
+
+        Open MPI 4's daemon count (``OMPI_MCA_orte_num_nodes``) decides when present; otherwise
+        all ranks are local when ``OMPI_COMM_WORLD_LOCAL_SIZE == OMPI_COMM_WORLD_SIZE``. A job
+        whose layout is unknown counts as several nodes, the case that needs a real address.
+        """
+        nodes = env.get("OMPI_MCA_orte_num_nodes", "")
+        if nodes.isdigit():
+            return int(nodes) == 1
+        size, local = env.get("OMPI_COMM_WORLD_SIZE", ""), env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+        return size.isdigit() and size == local
+
+    @classmethod
+    def job_port(cls, env: Mapping[str, str]) -> int | None:
+        """A port derived from the job's identity, the same on every rank; ``None`` without one.
+
+        Two jobs on one node get different ports unless their ids collide in the
+        :attr:`PORT_RANGE` (about one pair in 12,000); any other program can hold the port too.
+        """
+        job = next((env[key] for key in cls.JOB_ID_VARIABLES if env.get(key)), None)
+        if job is None:
+            return None
+        low, high = cls.PORT_RANGE
+        digest = hashlib.sha256(job.encode()).digest()  # not hash(): salted per process
+        return low + int.from_bytes(digest[:4], "big") % (high - low)
 
 
 ENVIRONMENTS: tuple[ClusterEnvironment, ...] = (

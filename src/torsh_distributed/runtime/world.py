@@ -19,7 +19,7 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -235,6 +235,14 @@ def init(
         kwargs["init_method"] = init_method
     elif info.world_size == 1 and info.master_addr is None:
         kwargs["store"] = dist.HashStore()
+    elif info.master_addr is None and info.source == "mpi":  # mpirun names no master: derive one
+        from torsh_distributed.runtime._mpi import rendezvous
+
+        rdzv = rendezvous(info, env, timeout=timeout)
+        info = replace(info, master_addr=rdzv.master_addr, master_port=rdzv.master_port)
+        kwargs["store"] = rdzv.store
+        if resolved == "gloo" and rdzv.gloo_ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = rdzv.gloo_ifname
     else:
         if info.master_addr is None:
             raise ConfigurationError(

@@ -5,7 +5,9 @@
 * ``kill:rank=R:step=S``: rank R sends itself SIGKILL after completing step S;
 * ``kill-in-save:rank=R:step=S``: rank R sends itself SIGKILL right after starting the save of
   step S (an asynchronous save is then still being written);
-* ``slow:rank=R:ms=M``: rank R sleeps M milliseconds in every step (a straggler).
+* ``slow:rank=R:ms=M``: rank R sleeps M milliseconds in every step (a straggler);
+* ``stop:rank=R:step=S``: rank R sends itself SIGSTOP after completing step S (a hung rank: alive,
+  silent, holding its peers in the next collective).
 
 Kills fire only in the first attempt of an elastic job (``TORCHELASTIC_RESTART_COUNT`` 0 or
 unset) unless ``attempt=N`` says otherwise, so the restarted job runs clean. With
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 __all__ = ["Fault", "parse", "active", "on_step_end", "on_save_started", "log_event"]
 
-KINDS = ("kill", "kill-in-save", "slow")
+KINDS = ("kill", "kill-in-save", "slow", "stop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,9 @@ def on_step_end(step: int, rank: int, faults: list[Fault]) -> None:
             time.sleep(fault.ms / 1000.0)
         elif fault.kind == "kill" and fault.step == step and fault.attempt == _attempt():
             _kill(rank, step, "step")
+        elif fault.kind == "stop" and fault.step == step and fault.attempt == _attempt():
+            log_event("stop", rank=rank, step=step)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def on_save_started(step: int, rank: int, faults: list[Fault]) -> None:

@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,9 @@ class RankHealth:
     """Last step it reported."""
     step_time_s: float | None
     """Last step time it reported."""
+    info: dict = field(default_factory=dict)
+    """What the rank said about itself in its heartbeats (``Heartbeat(info=...)``: node, host),
+    plus ``"done": True`` once it stopped beating on purpose."""
 
 
 class Heartbeat:
@@ -71,14 +74,24 @@ class Heartbeat:
         rank: This rank.
         interval_s: Seconds between beats; the monitor's thresholds are multiples of it.
         prefix: Key prefix (one per job if a store is shared).
+        info: Small JSON-able facts sent with every beat (``{"node": 1, "host": "gpu07"}``), so
+            the monitor can name where a rank runs.
     """
 
     def __init__(
-        self, store: dist.Store, rank: int, *, interval_s: float = 1.0, prefix: str = _PREFIX
+        self,
+        store: dist.Store,
+        rank: int,
+        *,
+        interval_s: float = 1.0,
+        prefix: str = _PREFIX,
+        info: dict | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.store, self.rank, self.interval_s, self.prefix = store, rank, interval_s, prefix
+        self.info = dict(info or {})
+        self._done = False
         self._seq = 0
         self._step: int | None = None
         self._step_time: float | None = None
@@ -95,7 +108,14 @@ class Heartbeat:
     def beat(self) -> None:
         """Send one heartbeat now (retried with backoff, behind a circuit breaker)."""
         self._seq += 1
-        payload = json.dumps({"seq": self._seq, "step": self._step, "step_time_s": self._step_time})
+        payload = json.dumps(
+            {
+                "seq": self._seq,
+                "step": self._step,
+                "step_time_s": self._step_time,
+                "info": {**self.info, **({"done": True} if self._done else {})},
+            }
+        )
         key = f"{self.prefix}/{self.rank}"
         retry(
             lambda: self.store.set(key, payload),
@@ -118,12 +138,20 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop beating (the monitor will then see this rank go silent)."""
+    def stop(self, *, done: bool = False) -> None:
+        """Stop beating: the monitor then sees this rank go silent, unless ``done`` (a last
+        beat says the rank finished on purpose, so a slower peer's monitor does not call it
+        failed)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if done:
+            self._done = True
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - the store may be gone at the very end
+                pass
 
     def __enter__(self) -> Heartbeat:
         return self.start()
@@ -219,6 +247,7 @@ class HealthMonitor:
                     silent_s=silent,
                     step=step,
                     step_time_s=step_time,
+                    info=dict(payload.get("info") or {}),
                 )
             )
         return report

@@ -43,6 +43,13 @@ class MonitorConfig:
     'torsh-distributed[plot]'``). Empty = no plot. Does not turn monitoring on."""
     job: str = field(default="torsh", metadata={"flags": ["--metrics-job"]})
     """Value of the ``job`` label on every exported metric."""
+    health_interval: float = field(default=1.0, metadata={"flags": ["--health-interval"]})
+    """Seconds between heartbeats of every rank of a multi-rank job; rank 0 prints a line naming
+    rank, node and host when one goes silent (hung, unreachable) or, with ``--monitor``, lags
+    (busy time over 2x the median). 0 = off. Independent of the other monitor options."""
+    health_failed_after: float = field(default=10.0, metadata={"flags": ["--health-failed-after"]})
+    """Silent heartbeat intervals after which a rank is reported FAILED (degraded after a
+    third of them). Raise it when steps or checkpoint saves pause a rank for longer."""
     anomaly_window: int = 50
     """Aggregations kept per metric for the z-score anomaly detector."""
     anomaly_z: float = 4.0
@@ -58,6 +65,12 @@ class MonitorConfig:
         if self.metrics_port and self.metrics_port == self.dashboard_port:
             raise ValueError(
                 f"monitor.metrics_port and monitor.dashboard_port must differ, both are {self.metrics_port}"
+            )
+        if not self.health_interval >= 0:
+            raise ValueError(f"monitor.health_interval must be >= 0 (0 = off), got {self.health_interval}")
+        if not self.health_failed_after >= 1:
+            raise ValueError(
+                f"monitor.health_failed_after must be >= 1 interval, got {self.health_failed_after}"
             )
         if self.anomaly_window < 3:
             raise ValueError(f"monitor.anomaly_window must be >= 3, got {self.anomaly_window}")

@@ -31,7 +31,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from torsh_distributed.monitor.report import Report, build_report
 from torsh_distributed.monitor.sinks import MetricsSink, json_safe
 from torsh_distributed.monitor.trace import PhaseTrace
 from torsh_distributed.runtime import world
+
+if TYPE_CHECKING:
+    from torsh_distributed.elastic.watch import HealthWatch
 
 __all__ = ["StepMonitor", "SLOW_RANK_ENV"]
 
@@ -85,6 +88,33 @@ def _check_names(names: Sequence[str]) -> tuple[str, ...]:
             raise ValueError(f"custom_metrics: {name!r} is declared twice")
         seen.add(name)
     return tuple(names)
+
+
+def _health_watch(
+    config: MonitorConfig,
+    *,
+    rank: int | None,
+    world_size: int | None,
+    echo: Callable[[str], None] | None,
+) -> HealthWatch | None:
+    """The job's heartbeats (multi-rank process groups with ``health_interval`` > 0)."""
+    if not config.health_interval or not dist.is_initialized():
+        return None
+    size = dist.get_world_size() if world_size is None else world_size
+    if size < 2:
+        return None
+    from torsh_distributed.checkpoint.progress import node_label
+    from torsh_distributed.elastic.watch import HealthWatch
+
+    return HealthWatch(
+        dist.distributed_c10d._get_default_store(),
+        rank=dist.get_rank() if rank is None else rank,
+        world_size=size,
+        interval_s=config.health_interval,
+        failed_after_intervals=config.health_failed_after,
+        info={"node": world.node_rank(), "host": node_label()},
+        echo=echo,
+    ).start()
 
 
 class StepMonitor:
@@ -146,6 +176,8 @@ class StepMonitor:
                     f"sinks[{i}] ({type(sink).__name__}) is not a MetricsSink: it needs "
                     "update(agg, *, alerts_by_severity, anomalies) and close()"
                 )
+        self.health = _health_watch(config, rank=rank, world_size=world_size, echo=echo)
+        self._comm_wait_s: float | None = None  # of the last step, for the health watch
         if not self.on:
             if sinks:
                 warnings.warn(
@@ -320,9 +352,13 @@ class StepMonitor:
         and ``grad_norm`` may be 0-d tensors: they are converted at the aggregation.
         """
         if not self.on:
+            if self.health is not None:
+                self.health.step_end(step)
             return
         now = time.perf_counter()
         self._phases["comm_wait"] += now - self._last
+        if self.health is not None:
+            self.health.step_end(step, comm_wait_s=self._phases["comm_wait"])
         if self._trace is not None:
             self._trace.add(step, "comm_wait", self._last, now)
         w = self._window
@@ -491,7 +527,10 @@ class StepMonitor:
 
     def close(self) -> None:
         """Close the sinks (the dashboard publishes its final state first), stop the alert
-        notifiers, remove the gradient hooks (idempotent; :meth:`finish` calls it)."""
+        notifiers, remove the gradient hooks, stop the health watch (idempotent; :meth:`finish`
+        calls it)."""
+        if self.health is not None:
+            self.health.stop()
         if not self.on:
             return
         for handle in self._hooks:

@@ -1,0 +1,165 @@
+"""What the Ray and Dask launcher tests share: rank functions, the training flags, the reference.
+
+The rank functions live here (not in the test modules) so the workers can import them: Dask's
+worker processes inherit ``sys.path``; the Ray test cluster gets this directory on
+``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torsh_distributed.cli.train import add_config_arguments, config_from_args
+from torsh_distributed.train.config import TrainConfig
+
+HERE = Path(__file__).resolve().parent
+TOLERANCE = 1e-5
+# A few steps of the tiny preset on a small corpus: the same flags for `torsh-dist train` and
+# for the config handed to the launchers' ranks.
+FLAGS = [
+    "--preset",
+    "tiny",
+    "--data.max-bytes",
+    "200000",
+    "--eval-batches",
+    "1",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--max-steps",
+    "8",
+    "--progress",
+    "false",
+]
+CHECKPOINTS = ["--checkpoint-every", "3", "--keep-last", "0", "--no-async-checkpoint"]
+KILL_AT_STEP = 5  # rank 1 SIGKILLs itself after step 5; the last checkpoint is step 3
+
+
+def train_config(*extra: str) -> TrainConfig:
+    """The config `torsh-dist train FLAGS *extra` would run."""
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    config = config_from_args(parser.parse_args([*FLAGS, *extra]))
+    assert isinstance(config, TrainConfig)
+    return config
+
+
+@functools.lru_cache(maxsize=1)
+def reference_summary() -> dict[str, Any]:
+    """Summary JSON of ``torsh-dist train --nproc-per-node 2 FLAGS`` (run once per session)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "summary.json"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torsh_distributed.cli.main",
+                "train",
+                "--nproc-per-node",
+                "2",
+                *FLAGS,
+                "--summary-json",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=tmp,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return json.loads(out.read_text())
+
+
+def assert_same_run(result: Any, reference: dict[str, Any]) -> None:
+    """A TrainResult of a launcher run equals the `torsh-dist train` reference."""
+    assert result.world_size == reference["world_size"] == 2
+    assert result.steps == reference["steps"]
+    for key in ("initial_loss", "final_loss", "val_loss"):
+        assert abs(getattr(result, key) - reference[key]) <= TOLERANCE, (
+            key,
+            getattr(result, key),
+            reference[key],
+        )
+
+
+def all_reduce_rank(offset: float) -> dict[str, Any]:
+    """Each rank contributes rank + offset; returns what it saw of the job."""
+    tensor = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(tensor)
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "sum": tensor.item(),
+        "pid": os.getpid(),
+        "backend": dist.get_backend(),
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "RANK",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "GLOO_SOCKET_IFNAME",
+                "TORSH_TEST_MARK",
+            )
+        },
+    }
+
+
+def hang_on_rank_1(hang_s: float, mark: str) -> int:
+    """Rank 1 never reaches the collective (a hung rank); rank 0 waits in it, having written
+    the wall-clock time it started waiting to ``mark``."""
+    if dist.get_rank() == 1:
+        time.sleep(hang_s)
+    else:
+        Path(mark).write_text(repr(time.time()))
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return int(tensor.item())
+
+
+def fail_on_rank_1(mark: str) -> int:
+    """Rank 1 raises its own error; rank 0 writes its pid to ``mark`` and waits in a collective
+    that will never complete (until the launcher stops it)."""
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 refuses: bad shard 7")
+    Path(mark).write_text(str(os.getpid()))
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return 0
+
+
+def process_gone(pid: int, within_s: float = 10.0) -> bool:
+    """True once ``pid`` has exited (a zombie awaiting its parent counts as exited)."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def kill_time(log: Path) -> float:
+    """Wall-clock time of the injected kill (from ``TORSH_FAULT_LOG``)."""
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    [kill] = [e for e in events if e["event"] == "kill"]
+    return float(kill["t"])

@@ -1,0 +1,244 @@
+"""The Ray and Dask launchers without a cluster: argument checks, missing packages, rank layout,
+the supervisor's root-cause choice, and one rank's lifecycle in this process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torsh_distributed import launch
+from torsh_distributed.launch import _workers
+from torsh_distributed.launch._workers import JobSpec, RankOutcome
+from torsh_distributed.runtime.errors import DistributedTimeoutError, ProcessFailureError
+
+
+def _noop() -> None:
+    return None
+
+
+pytestmark = pytest.mark.timeout(60)
+
+LAUNCHERS = [launch.ray, launch.dask]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_workers": 0}, ValueError, r"num_workers must be >= 1, got 0"),
+        ({"num_workers": True}, TypeError, r"num_workers must be an int"),
+        ({"num_workers": 2.0}, TypeError, r"num_workers must be an int"),
+        ({"num_workers": 2, "timeout_s": 0}, ValueError, r"timeout_s must be a positive"),
+        (
+            {"num_workers": 2, "timeout_s": float("inf")},
+            ValueError,
+            r"timeout_s must be a positive",
+        ),
+        ({"num_workers": 2, "timeout_s": "60"}, TypeError, r"timeout_s must be a number"),
+        (
+            {"num_workers": 2, "start_timeout_s": -1},
+            ValueError,
+            r"start_timeout_s must be a positive",
+        ),
+        ({"num_workers": 2, "args": 3}, TypeError, r"args must be a tuple or list"),
+        (
+            {"num_workers": 2, "kwargs": {1: 2}},
+            TypeError,
+            r"kwargs must be a mapping with str keys",
+        ),
+        ({"num_workers": 2, "env": {"RANK": "3"}}, ValueError, r"env must not set RANK"),
+        ({"num_workers": 2, "env": {"X": 1}}, TypeError, r"env must be a mapping of str to str"),
+        (
+            {"num_workers": 2, "backend": "mpi"},
+            ValueError,
+            r"backend must be one of auto, gloo, nccl",
+        ),
+    ],
+)
+def test_bad_arguments_fail_before_anything_starts(
+    launcher: Callable[..., Any], kwargs: dict[str, Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        launcher(_noop, **kwargs)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_fn_must_be_callable(launcher: Callable[..., Any]) -> None:
+    with pytest.raises(TypeError, match=r"fn must be callable, got str"):
+        launcher("train", num_workers=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"resources_per_worker": {}}, r"resources_per_worker must be a non-empty mapping"),
+        ({"resources_per_worker": {"CPU": -1}}, r"resources_per_worker\['CPU'\] must be >= 0"),
+        ({"resources_per_worker": {"CPU": 0}}, r"resources_per_worker must ask for something"),
+        ({"resources_per_worker": {"CPU": "1"}}, r"must map str to numbers"),
+        ({"placement_strategy": "TIGHT"}, r"placement_strategy must be one of PACK, SPREAD"),
+        ({"address": ""}, r"address must be a non-empty str or None"),
+    ],
+)
+def test_ray_options_are_checked(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        launch.ray(_noop, num_workers=2, **kwargs)
+
+
+def test_dask_client_xor_address() -> None:
+    with pytest.raises(ValueError, match=r"pass client or address, not both"):
+        launch.dask(_noop, num_workers=2, client=object(), address="tcp://h:8786")
+    with pytest.raises(TypeError, match=r"client must be a distributed.Client, got str"):
+        launch.dask(_noop, num_workers=2, client="tcp://h:8786")
+
+
+@pytest.mark.parametrize(
+    ("launcher", "module", "extra"),
+    [(launch.ray, "ray", "ray"), (launch.dask, "distributed", "dask")],
+)
+def test_missing_package_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, launcher: Callable[..., Any], module: str, extra: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    with pytest.raises(ImportError, match=rf"pip install 'torsh-distributed\[{extra}\]'"):
+        launcher(_noop, num_workers=2)
+    with pytest.raises(ValueError, match="num_workers"):  # arguments are checked first
+        launcher(_noop, num_workers=0)
+
+
+def test_assign_ranks_one_node_uses_loopback() -> None:
+    order, placements = _workers.assign_ranks(["10.0.0.5", "10.0.0.5", "10.0.0.5"])
+    assert order == [0, 1, 2]
+    assert {p.master_addr for p in placements} == {"127.0.0.1"}
+    assert {p.bind_addr for p in placements} == {"127.0.0.1"}
+    assert [p.local_rank for p in placements] == [0, 1, 2]
+    assert {(p.local_world_size, p.node_rank, p.world_size) for p in placements} == {(3, 0, 3)}
+
+
+def test_assign_ranks_groups_nodes_contiguously() -> None:
+    order, placements = _workers.assign_ranks(["a", "b", "a", "b", "b"])
+    assert order == [0, 2, 1, 3, 4]  # node a's workers first, then node b's
+    assert [p.node_rank for p in placements] == [0, 0, 1, 1, 1]
+    assert [p.local_rank for p in placements] == [0, 1, 0, 1, 2]
+    assert [p.local_world_size for p in placements] == [2, 2, 3, 3, 3]
+    assert {p.master_addr for p in placements} == {"a"}  # rank 0's node
+    assert [p.bind_addr for p in placements] == ["a", "a", "b", "b", "b"]
+
+
+def _scripted(
+    batches: list[list[RankOutcome]],
+) -> tuple[Callable[[float], Iterable[RankOutcome]], list[int]]:
+    calls: list[int] = []
+
+    def poll(timeout: float) -> Iterable[RankOutcome]:
+        calls.append(1)
+        return batches.pop(0) if batches else []
+
+    return poll, calls
+
+
+def test_supervise_returns_values_in_rank_order() -> None:
+    poll, _ = _scripted(
+        [[RankOutcome(rank=1, ok=True, value="b")], [RankOutcome(rank=0, ok=True, value="a")]]
+    )
+    assert _workers.supervise(poll, world_size=2, launcher="test") == ["a", "b"]
+
+
+def test_a_dead_worker_is_the_root_cause_over_the_peer_that_saw_it() -> None:
+    victim = RankOutcome(
+        rank=0, ok=False, error="DistBackendError: Connection closed by peer [::1]:5"
+    )
+    dead = RankOutcome(rank=1, ok=False, died=True, error="ActorDiedError: gone", where="actor 7")
+    poll, _ = _scripted([[victim], [], [dead]])
+    with pytest.raises(ProcessFailureError, match=r"rank 1 of 2 died \(actor 7\)") as info:
+        _workers.supervise(poll, world_size=2, launcher="test", interval_s=0.01)
+    assert info.value.rank == 1 and info.value.operation == "launch.test"
+    assert "rank 0 (): DistBackendError: Connection closed by peer" in str(info.value)
+    assert "a consequence of the failure above" in str(info.value)
+
+
+def test_own_error_stops_waiting_at_once_and_keeps_the_exception() -> None:
+    cause = KeyError("shard")
+    failed = RankOutcome(
+        rank=2, ok=False, error="KeyError: 'shard'", traceback="Traceback...", exception=cause
+    )
+    poll, calls = _scripted([[failed]])
+    with pytest.raises(ProcessFailureError, match=r"rank 2 of 3 failed") as info:
+        _workers.supervise(poll, world_size=3, launcher="test", grace_s=60)
+    assert len(calls) == 1  # no grace: ranks 0 and 1 can only fail after rank 2
+    assert info.value.__cause__ is cause
+    assert "rank(s) 0, 1 had not finished and were stopped" in str(info.value)
+
+
+def test_a_timeout_waits_the_grace_then_raises_a_timeout_error() -> None:
+    timed_out = RankOutcome(
+        rank=0, ok=False, error="RuntimeError: Timed out waiting 4000ms for recv"
+    )
+    poll, calls = _scripted([[timed_out]])
+    with pytest.raises(DistributedTimeoutError, match=r"rank 0 of 2 timed out") as info:
+        _workers.supervise(poll, world_size=2, launcher="test", interval_s=0.01, grace_s=0.1)
+    assert len(calls) > 1  # waited for rank 1's news during the grace
+    assert "a rank that hangs makes its peers time out" in str(info.value)
+
+
+def _sum_with_env(offset: float) -> tuple[float, str | None, str | None]:
+    tensor = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(tensor)
+    return tensor.item(), os.environ.get("MASTER_ADDR"), os.environ.get("TORSH_UNIT_MARK")
+
+
+def _raise_value_error() -> None:
+    raise ValueError("no data for this rank")
+
+
+def test_run_rank_in_this_process_sets_and_restores_everything() -> None:
+    spec = JobSpec(
+        fn=_sum_with_env, num_workers=1, args=(2.5,), timeout_s=30, env={"TORSH_UNIT_MARK": "m"}
+    )
+    [placement] = _workers.assign_ranks(["node"])[1]
+    assert _workers.prepare(spec)[1] == os.getpid()
+    port = _workers.open_store("job-a", placement.master_addr, 1, spec.timeout_s)
+    before = dict(os.environ)
+    outcome = _workers.run_rank("job-a", _replace_port(placement, port), spec, "here")
+    assert outcome.ok, outcome.traceback
+    assert outcome.value == (2.5, "127.0.0.1", "m")
+    assert dict(os.environ) == before  # layout and env variables restored
+    assert not dist.is_initialized()  # the group is destroyed
+    assert not _workers.close_store("job-a")  # rank 0 took its store
+
+
+def test_run_rank_reports_an_error_instead_of_raising() -> None:
+    spec = JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30)
+    [placement] = _workers.assign_ranks(["node"])[1]
+    port = _workers.open_store("job-b", placement.master_addr, 1, spec.timeout_s)
+    outcome = _workers.run_rank("job-b", _replace_port(placement, port), spec, "here")
+    assert not outcome.ok and outcome.severity == 1
+    assert outcome.error == "ValueError: no data for this rank"
+    assert "_raise_value_error" in outcome.traceback
+    assert isinstance(outcome.exception, ValueError)
+    assert not dist.is_initialized()
+
+
+def _replace_port(placement: _workers.Placement, port: int) -> _workers.Placement:
+    import dataclasses
+
+    return dataclasses.replace(placement, master_port=port)
+
+
+@pytest.mark.parametrize(
+    ("error", "exception", "severity"),
+    [
+        ("DistBackendError: Timed out waiting 4000ms for recv operation", None, 2),
+        ("DistStoreError: wait timeout after 30000ms, keys: /default_pg/0//cpu//0", None, 2),
+        ("DistributedTimeoutError: [rank 1] peers did not join", DistributedTimeoutError("x"), 2),
+        ("ValueError: timeout_s of the user's own config is wrong", None, 1),  # not torch's
+        ("RuntimeError: Connection closed by peer [127.0.0.1]:4031", None, 3),
+    ],
+)
+def test_outcome_severity(error: str, exception: BaseException | None, severity: int) -> None:
+    assert RankOutcome(rank=0, ok=False, error=error, exception=exception).severity == severity

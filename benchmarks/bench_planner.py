@@ -13,8 +13,14 @@ Alpa, Galvatron and Metis do; nothing is fitted to the runs it predicts, no per-
   through the GPT's own TP plan (``gpt_tp_plan``, its all-reduces included);
 * the non-block parts (embeddings, final norm, head, loss) the same way;
 * one optimizer step (gradient clipping + AdamW as the engine builds it) per parameter on one
-  block's parameters: plain (tp 1), tp shards (tp 2, no foreach, as the engine runs it) and
-  FSDP2 shards (ZeRO-3);
+  block's parameters: plain (tp 1), on a pipeline stage (tp 1, the engine's model-parallel
+  clipping with the norm summed over the 2 ranks), tp shards (tp 2, no foreach, as the engine
+  runs it) and FSDP2 shards (ZeRO-3);
+* what FSDP2 costs beyond the plain model (Galvatron-style), at ZeRO stages 2 and 3 and the same
+  micro-batches: the GPT with one block and with none, plain and parallelised by the engine's
+  ``parallelize`` (the block one unit, the root the rest), timed side by side: per block
+  (wrapped 1 - wrapped 0) - (plain 1 - plain 0), for the root wrapped 0 - plain 0; hooks,
+  copies, re-sharding and collectives included;
 * raw Gloo collectives on 2 ranks at 4 kB and 8 MB: all-reduce, reduce-scatter, all-gather and
   one-way send/recv, each fitted as ``alpha + bytes * beta``.
 
@@ -154,6 +160,7 @@ def _profile_layers(tp: int, repeats: int) -> dict[str, Any]:
     each of the 2 ranks at once (as data-parallel replicas share the cores), tp 2 through the
     GPT's own plan on a 2-rank mesh."""
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     from torsh_distributed.comm.dims import ParallelDims
@@ -203,6 +210,13 @@ def _profile_layers(tp: int, repeats: int) -> dict[str, Any]:
         optim.step()
 
     out["optimizer"] = _timed(step, repeats) / local
+    if tp == 1:  # a pipeline stage: the engine's model-parallel clipping, the norm summed over pp
+
+        def stage_step() -> None:
+            clip_grad_norm_(block_params, grip, pp_group=dist.group.WORLD)
+            optim.step()
+
+        out["optimizer_pipeline"] = _timed(stage_step, repeats) / local
     gpt.blocks = nn.ModuleList()  # what is left: embeddings, final norm, head, loss
     for micro in MICRO_BATCHES:
         idx = torch.randint(vocab, (micro, seq))
@@ -242,6 +256,69 @@ def _profile_sharded_optimizer(repeats: int) -> float:
     return _timed(step, repeats) / local
 
 
+def _profile_fsdp(repeats: int) -> dict[str, Any]:
+    """What a block and the root unit cost under FSDP2 beyond the plain model, per micro-batch,
+    at ZeRO stages 2 and 3 (Galvatron-style: the layer timed as the strategy runs it).
+
+    Side by side on the 2-rank group, every model once per repetition: the GPT with one block
+    and with none (the root alone), plain (each rank its own replica) and parallelised by the
+    engine's own ``parallelize`` (the block one unit, the root the rest). Block overhead =
+    (wrapped 1 - wrapped 0) - (plain 1 - plain 0); root overhead = wrapped 0 - plain 0; medians
+    of these differences over the repetitions. Hooks, copies into and out of the flat buffers,
+    re-sharding and the collectives are all inside them."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from torsh_distributed.comm.dims import ParallelDims
+    from torsh_distributed.models.gpt import GPT, lm_loss
+    from torsh_distributed.parallel.parallelize import parallelize
+
+    train_cfg = _config("dp2 z3", 1, SHAPE)
+    model_cfg = dataclasses.replace(train_cfg.model, n_layer=1)
+    dims = ParallelDims(dp=2).build()
+    stages = (2, 3)
+
+    def build(blocks: int, stage: int) -> Any:
+        torch.manual_seed(0)
+        gpt = GPT(model_cfg)
+        if not blocks:
+            gpt.blocks = nn.ModuleList()
+        if stage:
+            par = dataclasses.replace(train_cfg.parallel, zero_stage=stage)
+            with warnings.catch_warnings():  # the root alone: no blocks to wrap, as intended
+                warnings.simplefilter("ignore", UserWarning)
+                parallelize(gpt, dims, par)
+        return gpt
+
+    models = {(n, st): build(n, st) for st in (0, *stages) for n in (1, 0)}
+    out: dict[str, Any] = {"block": {st: {} for st in stages}, "root": {st: {} for st in stages}}
+    for micro in MICRO_BATCHES:
+        idx = torch.randint(model_cfg.vocab_size, (micro, model_cfg.block_size))
+        rows = []  # per repetition, every model once: a load change shifts the whole row
+        for i in range(repeats + 2):  # 2 warm-ups (FSDP2's lazy initialisation)
+            row = []
+            for gpt in models.values():
+                gpt.zero_grad(set_to_none=True)
+                dist.barrier()
+                start = time.perf_counter()
+                lm_loss(gpt(idx), idx).backward()
+                row.append(time.perf_counter() - start)
+            if i >= 2:
+                rows.append(row)
+        secs = torch.tensor(rows, dtype=torch.float64)
+        dist.all_reduce(secs, op=dist.ReduceOp.MAX)  # the slowest rank sets a collective's pace
+        t = {key: secs[:, j] for j, key in enumerate(models)}
+        plain_block = t[1, 0] - t[0, 0]
+        for st in stages:  # medians of the paired differences; noise can make one negative
+            block = statistics.median((t[1, st] - t[0, st] - plain_block).tolist())
+            out["block"][st][micro] = max(0.0, block)
+            out["root"][st][micro] = max(0.0, statistics.median((t[0, st] - t[0, 0]).tolist()))
+    return out
+
+
 def _profile(passes: int, repeats: int) -> dict[str, Any]:
     """The planner's profile of this machine: micro-benchmarks only, no training run. Every
     quantity is measured in each of ``passes`` passes (medians over them), so that a change of
@@ -257,6 +334,7 @@ def _profile(passes: int, repeats: int) -> dict[str, Any]:
                 "collectives": _profile_collectives(repeats),
                 "layers": {tp: _profile_layers(tp, repeats) for tp in (1, 2)},
                 "optimizer_sharded": _profile_sharded_optimizer(repeats),
+                "fsdp": _profile_fsdp(repeats),
             }
         )
 
@@ -280,7 +358,20 @@ def _profile(passes: int, repeats: int) -> dict[str, Any]:
         }
         for tp in (1, 2)
     }
-    return {"collectives": coll, "layers": layers, "optimizer_sharded": med(("optimizer_sharded",))}
+    fsdp = {
+        part: {
+            st: {b: med(("fsdp", part, st, b)) for b in MICRO_BATCHES}
+            for st in runs[0]["fsdp"][part]
+        }
+        for part in ("block", "root")
+    }
+    return {
+        "collectives": coll,
+        "layers": layers,
+        "optimizer_sharded": med(("optimizer_sharded",)),
+        "optimizer_pipeline": med(("layers", 1, "optimizer_pipeline")),
+        "fsdp": fsdp,
+    }
 
 
 def _to_profile(raw: dict[str, Any], source: str) -> Any:
@@ -295,6 +386,9 @@ def _to_profile(raw: dict[str, Any], source: str) -> Any:
         outside={tp: dict(v["outside"]) for tp, v in layers.items()},
         optimizer={tp: v["optimizer"] for tp, v in layers.items()},
         optimizer_sharded=raw["optimizer_sharded"],
+        optimizer_pipeline=raw["optimizer_pipeline"],
+        fsdp_block=raw["fsdp"]["block"],
+        fsdp_root=raw["fsdp"]["root"],
         **{k: Collective(**v) for k, v in raw["collectives"].items()},
         source=source,
     )
@@ -474,7 +568,14 @@ def _print_profile(profile: Any) -> None:
             f"profile tp{tp}: block fwd+bwd {blocks} ms; outside the blocks {outside} ms; "
             f"optimizer {profile.optimizer[tp] * 1e9:.2f} ns/param"
         )
-    print(f"profile ZeRO-3 shards: optimizer {profile.optimizer_sharded * 1e9:.2f} ns/param")
+    print(
+        f"profile ZeRO-3 shards: optimizer {profile.optimizer_sharded * 1e9:.2f} ns/param; "
+        f"pipeline stage (tp1): optimizer {profile.optimizer_pipeline * 1e9:.2f} ns/param"
+    )
+    for st in sorted(profile.fsdp_block):
+        blocks = ", ".join(f"mb{b} {t * 1e3:.1f}" for b, t in profile.fsdp_block[st].items())
+        root = ", ".join(f"mb{b} {t * 1e3:.1f}" for b, t in profile.fsdp_root[st].items())
+        print(f"profile FSDP2 ZeRO-{st} beyond plain: per block {blocks} ms; root {root} ms")
     for kind in ("all_reduce", "reduce_scatter", "all_gather", "p2p"):
         c = getattr(profile, kind)
         print(f"profile {kind}: {c.alpha * 1e6:.0f} us + {1 / c.beta / 1e9:.2f} GB/s")

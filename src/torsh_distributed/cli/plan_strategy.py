@@ -41,7 +41,8 @@ sizes: 80GB, 80GiB, 8e10 (bytes); rates: 300GB/s, 800Gbps, 100Gb/s, 3e11 (bytes/
 
 --profile FILE: a JSON profile of the target machine (Profile.to_dict(); written by
 benchmarks/bench_planner.py --save-profile): measured block, non-block, optimizer and collective
-times replace the analytic terms they cover (docs/planner.md, "Profiled mode").
+times, and what a block and the root cost under FSDP2 (ZeRO-2/3) beyond the plain model, replace
+the analytic terms they cover (docs/planner.md, "Profiled mode").
 """
 
 _UNITS = {

@@ -14,8 +14,12 @@ With a :class:`~torsh_distributed.plan.profile.Profile` (``cfg.profile``) each t
 taken from measurements instead: compute = the profiled block time x layers per stage + the
 profiled non-block parts, per micro-batch (at tp > 1 the block's all-reduces are inside it, so
 ``tp_comm`` is 0); the optimizer step = profiled seconds per parameter x the parameters a rank
-steps; collectives = the profiled ``alpha + bytes * beta`` of a group of the profiled size.
-Terms the profile lacks keep the analytic formula (the optimizer's is then 0: not modelled).
+steps (on a pipeline stage at tp 1, the engine's model-parallel clipping's rate); collectives =
+the profiled ``alpha + bytes * beta`` of a group of the profiled size; ZeRO-2/3 on this
+package's FSDP2 (``layout="fsdp2"``, tp 1, a group of the profiled size) = the profiled time a
+block and the root unit take under FSDP2 beyond the plain ones, per micro-batch (hooks, copies
+and re-sharding with the collectives), instead of the raw collectives. Terms the profile lacks
+keep the analytic formula (the optimizer's is then 0: not modelled).
 """
 
 from __future__ import annotations
@@ -233,7 +237,9 @@ def _time(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
     if prof is not None:
         stepped = dense / (lay.tp * lay.pp) / (lay.dp * lay.ep if lay.stage >= 1 else 1)
         stepped += expert / (lay.ep * lay.tp * lay.pp) / (lay.dp if lay.stage >= 1 else 1)
-        optimizer = prof.optimizer_time(lay.tp, stepped, sharded=lay.stage >= 2) or 0.0
+        optimizer = (
+            prof.optimizer_time(lay.tp, stepped, sharded=lay.stage >= 2, pipeline=lay.pp > 1) or 0.0
+        )
     times = {
         "compute": compute,
         "tp_comm": tp,
@@ -290,11 +296,29 @@ def _dp_time(cfg: StrategyConfig, lay: Layout, params: float, n: int, link: Link
         scatters, gathers = m, 1 if lay.stage == 2 else 2 * m
     scatter = prof.collective("reduce_scatter", n) if prof is not None else None
     gather = prof.collective("all_gather", n) if prof is not None else None
-    return scatters * (
+    scatter_s = (
         scatter.time(params * grad, units) if scatter else _half(n, params * grad, link, units)
-    ) + gathers * (
+    )
+    gather_s = (
         gather.time(params * param, units) if gather else _half(n, params * param, link, units)
     )
+    measured = _fsdp_measured(cfg, lay, n, prof)
+    if measured is not None:
+        block, root = measured
+        per_micro_batch = cfg.layers // lay.pp * block + root
+        return max(0.0, m * per_micro_batch - (m - 1) * scatter_s)
+    return scatters * scatter_s + gathers * gather_s
+
+
+def _fsdp_measured(
+    cfg: StrategyConfig, lay: Layout, n: int, prof: Profile | None
+) -> tuple[float, float] | None:
+    """The profiled FSDP2 ``(per block, root)`` overhead where it applies: this package's
+    layout, tp 1 (the profiled blocks' parameters), a dense model, a group of the profiled
+    size inside a node; else ``None``."""
+    if prof is None or cfg.layout != "fsdp2" or lay.tp != 1 or cfg.experts or n != prof.ranks:
+        return None
+    return prof.fsdp_overhead(lay.stage, lay.micro_batch)
 
 
 def estimate(cfg: StrategyConfig, lay: Layout) -> Estimate:

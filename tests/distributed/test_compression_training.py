@@ -6,6 +6,7 @@ All training runs of a test share one process launch (CI budget)."""
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -97,7 +98,14 @@ def test_every_compressor_trains_within_three_percent_of_uncompressed():
         m: (r["loss"] - base[m.rpartition("/")[0]]) / base[m.rpartition("/")[0]]
         for m, r in results[0].items()
     }
-    failed = {m: f"{g:+.2%}" for m, g in gaps.items() if g > LOOSE.get(m, 0.03)}
+    bound = {m: LOOSE.get(m, 0.03) for m in gaps}
+    # auto picks per bucket by *measured* time: on a loaded machine it may pick topk:0.01, which
+    # then gets that method's bound (its choice is in the decisions it logged)
+    chosen = re.findall(r"bucket \d+: (\S+) \(", " ".join(
+        results[0]["auto"]["compression"].get("decisions", [])))
+    bound["auto"] = max([0.03, *(LOOSE.get(m, 0.03) for m in chosen)])
+    failed = {m: f"{g:+.2%} (auto chose {chosen})" if m == "auto" else f"{g:+.2%}"
+              for m, g in gaps.items() if g > bound[m]}
     assert not failed, f"loss gap > 3 % vs none with the same optimizer ({base}): {failed}"
     for run, r in results[0].items():
         method = run.rpartition("/")[2]

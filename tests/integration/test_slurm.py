@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from _launch_common import FLAGS, reference_summary  # noqa: E402
 
 from torsh_distributed.runtime.env import SlurmEnvironment
 from torsh_distributed.testing.slurm_cluster import (
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 TORSH_DIST = str(BIN / "torsh-dist")
-TRAIN_FLAGS = ["--preset", "tiny", "--max-steps", "8", "--batch-size", "8", "--resume", "never"]
+TRAIN_FLAGS = [*FLAGS, "--resume", "never"]  # the reference: _launch_common.reference_summary
 
 ALL_REDUCE = """\
 import json, os
@@ -72,17 +73,9 @@ def _summary(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """`torsh-dist train --nproc-per-node 2`, outside Slurm: the loss to match."""
-    out = tmp_path_factory.mktemp("reference")
-    env = _env({k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
-    proc = subprocess.run(
-        [TORSH_DIST, "train", "--nproc-per-node", "2", *TRAIN_FLAGS,
-         "--summary-json", str(out / "summary.json"), "--checkpoint-dir", str(out / "ckpt")],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _summary(out / "summary.json")
+def reference() -> dict:
+    """`torsh-dist train --nproc-per-node 2`, outside Slurm: the loss to match (once per session)."""
+    return reference_summary()
 
 
 @pytest.mark.timeout(90)

@@ -39,7 +39,7 @@ def _train_args(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
     return [
         "--preset", "tiny", "--batch-size", "12", "--max-steps", str(steps), "--log-every", "5",
         "--summary-json", str(tmp / f"{name}.json"), "--checkpoint-dir", str(tmp / name),
-        "--progress", "false", *extra,
+        "--progress", "false", "--eval-batches", "1", *extra,
     ]
 
 
@@ -79,8 +79,11 @@ def _wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> list[
     return outs
 
 
-def _start(lab: NetLab, host: int, argv: list[str]) -> subprocess.Popen[bytes]:
-    return lab.popen(host, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def _start(
+    lab: NetLab, host: int, argv: list[str], *, fault: str = ""
+) -> subprocess.Popen[bytes]:
+    env = {**_env(), **({"TORSH_FAULT": fault} if fault else {})}
+    return lab.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow
@@ -165,21 +168,26 @@ def _wait_progress(directory: Path, procs: Sequence[subprocess.Popen[bytes]], te
 def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_one_is_killed(
     tmp_path: Path, reference
 ) -> None:
-    steps = 120
+    steps = 140
     ref = reference(steps)
     ckpt = tmp_path / "elastic"
-    # 50 Mbit links slow each step (~0.1 s) so a joining node arrives while the job runs.
-    with NetLab(hosts=3, rate_mbit=50, net=46) as lab:
+    # Rank 0 sleeps 0.2 s per step (an injected straggler) so a joining node, which takes ~14 s
+    # to start, rendezvous and restart everyone here, arrives long before the last step. (Slow
+    # links would pace it too, but a saturated link also delays the rendezvous store's traffic:
+    # at 20 Mbit a node never got in.)
+    with NetLab(hosts=3, rate_mbit=0, net=46) as lab:
 
         def argv() -> list[str]:
             return [*CLI, "train", "--nnodes", "2:3", "--rdzv-endpoint", f"{lab.address(0)}:29614",
-                    "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3",
+                    "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+                    "--max-restarts", "3",
                     "--nproc-per-node", "2",
                     *_train_args(tmp_path, "elastic", steps, "--checkpoint.every", "10")]
 
-        first = [_start(lab, 0, argv()), _start(lab, 1, argv())]
+        first = [_start(lab, 0, argv(), fault="slow:rank=0:ms=200"),
+                 _start(lab, 1, argv(), fault="slow:rank=0:ms=200")]
         _wait_progress(ckpt, first, lambda p: p["step"] >= 10, "step 10 at 4 ranks")
-        joiner = _start(lab, 2, argv())
+        joiner = _start(lab, 2, argv(), fault="slow:rank=0:ms=200")
         grown = _wait_progress(ckpt, first, lambda p: p["world_size"] == 6, "the node joined")
         _wait_progress(ckpt, first, lambda p: p["step"] >= grown["step"] + 5, "5 steps at 6 ranks")
         assert lab.kill_host(2)  # the node dies: agent and both workers, SIGKILL

@@ -15,6 +15,7 @@ import pytest
 
 import torsh_distributed as tdist
 from torsh_distributed.runtime import ConfigurationError, MPIEnvironment, _mpi, detect_environment
+from torsh_distributed.runtime._net import loopback_interface
 
 
 def _ompi(rank: int = 0, size: int = 2, local_size: int = 2, **extra: str) -> dict[str, str]:
@@ -181,7 +182,7 @@ def test_single_node_env_rendezvous_shares_one_store(no_mpi4py: None) -> None:
     assert (second.master_addr, second.master_port) == ("127.0.0.1", port)
     first.store.set("from-0", b"hello")
     assert second.store.get("from-0") == b"hello"
-    assert first.gloo_ifname == _mpi._loopback_interface()
+    assert first.gloo_ifname == loopback_interface()
 
 
 @pytest.mark.timeout(20)

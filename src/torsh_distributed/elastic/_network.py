@@ -18,14 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
-
+from torsh_distributed.runtime._net import local_addresses
 from torsh_distributed.runtime.errors import ConfigurationError, ProcessFailureError
 
 __all__ = [
     "Route",
     "route_to",
-    "local_addresses",
     "hostname_is_loopback",
     "is_local",
     "port_is_free",
@@ -45,16 +43,6 @@ class Route:
     """This node's address on that interface: what peers must connect to."""
     master_ip: str
     """The master's address, resolved."""
-
-
-def local_addresses() -> dict[str, str]:
-    """Every IP address of this machine (current network namespace) -> its interface name."""
-    out: dict[str, str] = {}
-    for name, addrs in psutil.net_if_addrs().items():
-        for addr in addrs:
-            if addr.family in (socket.AF_INET, socket.AF_INET6):
-                out[addr.address.split("%", 1)[0]] = name
-    return out
 
 
 def _resolve(host: str, port: int) -> tuple[int, tuple]:

@@ -166,11 +166,3 @@ def is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (OSError, AttributeError):
-        return None
-    return next((n for n in names if n in ("lo", "lo0")), None)

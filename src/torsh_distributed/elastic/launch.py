@@ -58,9 +58,9 @@ from torsh_distributed.elastic._rendezvous import LOCAL_BACKEND as _LOCAL_BACKEN
 from torsh_distributed.elastic._rendezvous import RDZV_TIMEOUT_S as _RDZV_TIMEOUT_S
 from torsh_distributed.elastic._rendezvous import Plan as _Plan
 from torsh_distributed.elastic._rendezvous import is_loopback as _is_loopback
-from torsh_distributed.elastic._rendezvous import loopback_interface as _loopback_interface
 from torsh_distributed.elastic._rendezvous import plan as _plan
 from torsh_distributed.elastic._report import report_failure as _report
+from torsh_distributed.runtime._net import loopback_interface as _loopback_interface
 from torsh_distributed.runtime.errors import ProcessFailureError
 
 __all__ = ["LaunchOptions", "launch", "RDZV_BACKENDS", "LOG_LINE_PREFIX", "parse_nnodes", "RDZV_CONF_KEYS"]

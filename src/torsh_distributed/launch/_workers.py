@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from torsh_distributed.runtime._net import interface_of
 from torsh_distributed.runtime.errors import (
     DistributedTimeoutError,
     ProcessFailureError,
@@ -55,7 +56,6 @@ __all__ = [
     "close_store",
     "exit_process",
     "failure_error",
-    "interface_for",
     "open_store",
     "prepare",
     "run_rank",
@@ -401,19 +401,6 @@ def close_store(job_id: str) -> bool:
         return _STORES.pop(job_id, None) is not None
 
 
-def interface_for(address: str) -> str | None:
-    """The name of the network interface holding ``address`` (``"lo"`` for 127.0.0.1), if any."""
-    try:
-        import psutil  # a dependency of both Ray and Dask's distributed
-    except ImportError:
-        return None
-    for name, addresses in psutil.net_if_addrs().items():
-        for entry in addresses:
-            if entry.address.split("%", 1)[0] == address:
-                return name
-    return None
-
-
 def _rank_env(placement: Placement, spec: JobSpec) -> dict[str, str]:
     env = {
         "RANK": str(placement.rank),
@@ -427,7 +414,7 @@ def _rank_env(placement: Placement, spec: JobSpec) -> dict[str, str]:
     if "GLOO_SOCKET_IFNAME" not in spec.env and "GLOO_SOCKET_IFNAME" not in os.environ:
         # Gloo otherwise picks the interface of the hostname's address, which on one node may be
         # unreachable or missing from /etc/hosts; pin it to the address the store uses.
-        name = interface_for(placement.bind_addr)
+        name = interface_of(placement.bind_addr)
         if name:
             env["GLOO_SOCKET_IFNAME"] = name
     env.update(spec.env)

@@ -8,12 +8,13 @@ must trust every other (see docs/parameter-server.md, "Security").
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed.rpc as rpc
 from torch.futures import Future
+
+from torsh_distributed.runtime._net import loopback_interface
 
 __all__ = ["init", "call", "call_async", "shutdown", "server_name", "worker_name", "Future"]
 
@@ -28,13 +29,6 @@ def worker_name(index: int) -> str:
     return f"ps-worker-{index}"
 
 
-def _loopback_interface() -> str | None:
-    for _, name in socket.if_nameindex():
-        if name.startswith("lo"):
-            return name
-    return None
-
-
 def init(name: str, *, rank: int, world_size: int, host: str, timeout_s: float, num_threads: int) -> None:
     """Join the job's RPC group as ``name`` (rendezvous: ``MASTER_ADDR``/``MASTER_PORT``, or the
     launcher's agent store under torchrun).
@@ -43,7 +37,7 @@ def init(name: str, *, rank: int, world_size: int, host: str, timeout_s: float, 
     (``TP_SOCKET_IFNAME``) unless the user already chose one.
     """
     if host in ("127.0.0.1", "localhost", "::1"):
-        iface = _loopback_interface()
+        iface = loopback_interface()
         if iface:
             os.environ.setdefault("TP_SOCKET_IFNAME", iface)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torsh_distributed.runtime._net import loopback_interface
 from torsh_distributed.runtime.env import MPIEnvironment, WorldInfo
 from torsh_distributed.runtime.errors import CommunicationError, ConfigurationError
 
@@ -182,7 +183,7 @@ def _over_mpi(
         master_port=port,
         method="mpi4py",
         store=store,
-        gloo_ifname=_loopback_interface() if single_node else None,
+        gloo_ifname=loopback_interface() if single_node else None,
     )
 
 
@@ -209,7 +210,7 @@ def _from_env(info: WorldInfo, env: Mapping[str, str], *, timeout: timedelta) ->
         master_port=port,
         method="env",
         store=dist.PrefixStore(f"torsh-mpi/{job}/", store),
-        gloo_ifname=_loopback_interface(),
+        gloo_ifname=loopback_interface(),
     )
 
 
@@ -299,11 +300,3 @@ def _address_toward(hosts: list[str]) -> str:
         operation="init",
         fix=f"{_EXPORT}.",
     )
-
-
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (OSError, AttributeError):
-        return None
-    return next((name for name in names if name in ("lo", "lo0")), None)

@@ -29,6 +29,7 @@ _STRIPPED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "
 
 SCRIPT = """
 import json, os, sys
+from pathlib import Path
 import torch
 import torch.distributed as dist
 from torsh_distributed.runtime import MPIEnvironment, init
@@ -36,13 +37,14 @@ from torsh_distributed.runtime import MPIEnvironment, init
 with init(backend="gloo", timeout=60) as rt:
     value = torch.tensor([float(rt.rank + 1)])
     dist.all_reduce(value)
-    print("RESULT " + json.dumps({
+    # one file per rank: mpirun merges the ranks' stdout and lines can interleave
+    Path(sys.argv[1], f"{rt.rank}.json").write_text(json.dumps({
         "rank": rt.rank, "world_size": rt.world_size, "sum": value.item(),
         "master": [rt.info.master_addr, rt.info.master_port],
         "job_port": MPIEnvironment.job_port(os.environ),
         "mpi4py": "mpi4py.MPI" in sys.modules,
         "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
-    }), flush=True)
+    }))
 """
 
 
@@ -66,19 +68,25 @@ def _mpirun(
     return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _results(proc: subprocess.CompletedProcess[str]) -> list[dict]:
+def _script(tmp_path: Path) -> list[str]:
+    """The command running SCRIPT, which writes one ``<rank>.json`` per rank into ``tmp_path/out``."""
+    script = tmp_path / "allreduce.py"
+    script.write_text(SCRIPT)
+    (tmp_path / "out").mkdir()
+    return [str(BIN / "python"), str(script), str(tmp_path / "out")]
+
+
+def _results(proc: subprocess.CompletedProcess[str], tmp_path: Path) -> list[dict]:
     assert proc.returncode == 0, f"mpirun failed:\n{proc.stdout}\n{proc.stderr}"
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    results = sorted((json.loads(line[len("RESULT "):]) for line in lines), key=lambda r: r["rank"])
+    files = sorted((tmp_path / "out").glob("*.json"))
+    results = sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1], proc.stdout
     return results
 
 
 @pytest.mark.timeout(60)
 def test_script_rendezvous_without_master_variables(tmp_path: Path) -> None:
-    script = tmp_path / "allreduce.py"
-    script.write_text(SCRIPT)
-    results = _results(_mpirun([str(BIN / "python"), str(script)], _env(), timeout=50))
+    results = _results(_mpirun(_script(tmp_path), _env(), timeout=50), tmp_path)
     assert all(r["world_size"] == 2 and r["sum"] == 3.0 for r in results)
     assert results[0]["master"] == results[1]["master"]
     assert results[0]["master"][0] == "127.0.0.1"
@@ -99,11 +107,9 @@ def test_without_mpi4py_single_node_port_is_derived(tmp_path: Path) -> None:
     (fake / "__init__.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'mpi4py'\", name='mpi4py')\n"
     )
-    script = tmp_path / "allreduce.py"
-    script.write_text(SCRIPT)
     env = _env(PYTHONPATH=str(fake.parent))
-    proc = _mpirun([str(BIN / "python"), str(script)], env, timeout=50)
-    results = _results(proc)
+    proc = _mpirun(_script(tmp_path), env, timeout=50)
+    results = _results(proc, tmp_path)
     assert all(r["sum"] == 3.0 and not r["mpi4py"] for r in results)
     port = results[0]["job_port"]
     assert port is not None and 20000 <= port < 32000
@@ -114,17 +120,16 @@ def test_without_mpi4py_single_node_port_is_derived(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not HAS_MPI4PY, reason="mpi4py not installed ('torsh-distributed[mpi]')")
 def test_taken_master_port_fails_naming_the_port(tmp_path: Path) -> None:
-    script = tmp_path / "allreduce.py"
-    script.write_text(SCRIPT)
+    command = _script(tmp_path)
     with socket.socket() as taken:  # the port rank 0 is told to use is held here
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = _mpirun([str(BIN / "python"), str(script)], _env(MASTER_PORT=str(port)), timeout=50)
+        proc = _mpirun(command, _env(MASTER_PORT=str(port)), timeout=50)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert f"cannot listen on 127.0.0.1:{port} for the rendezvous store" in output, output
-    assert "RESULT " not in output
+    assert not list((tmp_path / "out").glob("*.json"))
 
 
 @pytest.mark.slow

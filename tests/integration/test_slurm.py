@@ -33,7 +33,8 @@ TORSH_DIST = str(BIN / "torsh-dist")
 TRAIN_FLAGS = [*FLAGS, "--resume", "never"]  # the reference: _launch_common.reference_summary
 
 ALL_REDUCE = """\
-import json, os
+import json, os, sys
+from pathlib import Path
 import torch
 import torch.distributed as dist
 from torsh_distributed.runtime import init, shutdown
@@ -42,10 +43,11 @@ rt = init(timeout=60)
 value = torch.tensor([float(rt.rank + 1)])
 dist.all_reduce(value)
 info = rt.info
-print(json.dumps({"rank": info.rank, "world": info.world_size, "local_rank": info.local_rank,
+# one file per rank: srun merges the ranks' stdout, where lines could interleave
+Path(sys.argv[1], f"{info.rank}.json").write_text(json.dumps({"rank": info.rank, "world": info.world_size, "local_rank": info.local_rank,
                   "local_world": info.local_world_size, "source": info.source,
                   "master": [info.master_addr, info.master_port], "sum": value.item(),
-                  "job": int(os.environ["SLURM_JOB_ID"])}), flush=True)
+                  "job": int(os.environ["SLURM_JOB_ID"])}))
 shutdown()
 """
 
@@ -84,12 +86,14 @@ def test_srun_all_reduce_takes_ranks_and_master_from_slurm(
 ) -> None:
     script = tmp_path / "all_reduce.py"
     script.write_text(ALL_REDUCE)
+    out = tmp_path / "out"
+    out.mkdir()
     proc = subprocess.run(
-        ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, str(script)],
+        ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, str(script), str(out)],
         env=_env(cluster.env), capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + cluster.log_tail()
-    rows = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda r: r["rank"])
+    rows = sorted((json.loads(f.read_text()) for f in out.glob("*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["local_rank"]) for r in rows] == [(0, 0), (1, 1)]
     job = rows[0]["job"]
     for row in rows:

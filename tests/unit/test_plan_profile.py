@@ -145,6 +145,26 @@ def test_pipeline_stage_steps_at_the_model_parallel_rate() -> None:
     assert _time(old, dp=1, pp=2, micro_batch=2)["optimizer"] == pytest.approx(1e-8 * 0.5e6)
 
 
+def test_pipeline_fill_and_drain_run_at_the_speed_of_a_rank_alone() -> None:
+    # 2 stages, m = 4 micro-batches of 2: of 5 slots, 3 run both stages, 2 (fill, drain) one
+    # stage while the other waits: bubble = (2 r - 1) of one busy slot, r = solo / block
+    busy = _time(StrategyConfig(**_CPU, profile=_profile()), dp=1, pp=2, micro_batch=2)
+    slot = busy["compute"] / 4
+    assert busy["bubble"] == pytest.approx(slot)  # no solo measured: the textbook (pp-1)/m
+    cfg = StrategyConfig(**_CPU, profile=_profile(solo={4: 0.07}))  # 0.7 of block[1][4]
+    t = _time(cfg, dp=1, pp=2, micro_batch=2)  # micro-batch 2 scaled from 4 in both tables
+    assert t["compute"] == pytest.approx(busy["compute"])
+    assert t["bubble"] == pytest.approx((2 * 0.7 - 1) * slot)
+    assert t["total"] == pytest.approx(busy["total"] - 0.6 * slot)
+    # tensor-parallel ranks always run together; layouts without a pipeline have no bubble
+    assert _profile(solo={4: 0.07}).solo_ratio(2, 8) == 1.0
+    assert _time(cfg, dp=2, micro_batch=4)["bubble"] == 0.0
+    # a noisy solo above the busy time does not make the bubble longer than the textbook one
+    assert _profile(solo={4: 0.2}).solo_ratio(1, 4) == 1.0
+    with pytest.raises(ValueError, match="profile solo"):
+        _profile(solo={4: 0.0})
+
+
 def test_fsdp_profile_checks_and_round_trip() -> None:
     with pytest.raises(ValueError, match="keyed by ZeRO stage 2 or 3"):
         _profile(fsdp_block={1: {4: 0.1}}, fsdp_root={1: {4: 0.1}})
@@ -154,8 +174,12 @@ def test_fsdp_profile_checks_and_round_trip() -> None:
         _profile(fsdp_root={3: {4: -0.1, 8: 0.0}})
     with pytest.raises(ValueError, match="optimizer_pipeline must be >= 0"):
         _profile(optimizer_pipeline=-1.0)
-    prof = _profile(source="synthetic")
+    prof = _profile(source="synthetic", solo={4: 0.07, 8: 0.15})
     assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
     # a profile written before the FSDP2 tables existed still loads, with none
-    old = {k: v for k, v in prof.to_dict().items() if not k.startswith(("fsdp", "optimizer_p"))}
+    old = {
+        k: v
+        for k, v in prof.to_dict().items()
+        if not k.startswith(("fsdp", "optimizer_p", "solo"))
+    }
     assert Profile.from_dict(json.loads(json.dumps(old))).fsdp_overhead(3, 4) is None

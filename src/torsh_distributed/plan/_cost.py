@@ -13,10 +13,11 @@ Torch-free arithmetic. Every formula is documented in docs/planner.md; the short
 With a :class:`~torsh_distributed.plan.profile.Profile` (``cfg.profile``) each term it covers is
 taken from measurements instead: compute = the profiled block time x layers per stage + the
 profiled non-block parts, per micro-batch (at tp > 1 the block's all-reduces are inside it, so
-``tp_comm`` is 0); the optimizer step = profiled seconds per parameter x the parameters a rank
-steps (on a pipeline stage at tp 1, the engine's model-parallel clipping's rate); collectives =
-the profiled ``alpha + bytes * beta`` of a group of the profiled size; ZeRO-2/3 on this
-package's FSDP2 (``layout="fsdp2"``, tp 1, a group of the profiled size) = the profiled time a
+``tp_comm`` is 0); the pipeline's fill and drain at the profiled speed of a rank alone
+(:meth:`Profile.solo_ratio`: ranks sharing cores run faster while stages idle); the optimizer
+step = profiled seconds per parameter x the parameters a rank steps (on a pipeline stage at
+tp 1, the engine's model-parallel clipping's rate); collectives = the profiled ``alpha + bytes
+* beta`` of a group of the profiled size; ZeRO-2/3 on this package's FSDP2 (``layout="fsdp2"``, tp 1, a group of the profiled size) = the profiled time a
 block and the root unit take under FSDP2 beyond the plain ones, per micro-batch (hooks, copies
 and re-sharding with the collectives), instead of the raw collectives. Terms the profile lacks
 keep the analytic formula (the optimizer's is then 0: not modelled).
@@ -222,6 +223,11 @@ def _time(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
         if cfg.pp_scatter_gather and lay.tp > 1:  # the all-gather on the receiving side
             p2p += 2 * m * _half(lay.tp, micro_bytes, tp_link)
     bubble = (lay.pp - 1) / m * (compute + tp + ep)  # (pp-1) idle micro-batch slots
+    if measured is not None and lay.pp > 1:
+        # Of the (m + pp - 1) slots, 2 (pp - 1) (fill and drain) run with stages idle; where
+        # ranks share cores those run at the profiled speed of a rank alone (ratio r): the
+        # step is (m - pp + 1) busy slots + 2 (pp - 1) r = m + (pp - 1)(2 r - 1) busy slots.
+        bubble *= 2 * prof.solo_ratio(lay.tp, lay.micro_batch) - 1  # type: ignore[union-attr]
     dp = _dp_time(
         cfg, lay, dense / (lay.tp * lay.pp), lay.dp * lay.ep, _link(cfg, lay.dp * lay.ep, lay.tp)
     )

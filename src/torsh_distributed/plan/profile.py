@@ -93,6 +93,11 @@ class Profile:
     outside: dict[int, dict[int, float]] = field(default_factory=dict)
     """Seconds of forward + backward of everything outside the blocks (embeddings, final norm,
     head, loss): tp -> micro-batch -> s."""
+    solo: dict[int, float] = field(default_factory=dict)
+    """Seconds of forward + backward of ONE tp-1 block run by one rank while the other ranks
+    wait: micro-batch -> s. Where ranks share the machine's cores (a CPU host), a rank alone runs
+    faster than ``block[1]`` (all ranks at once); a pipeline's fill and drain run with stages
+    idle, so its bubble costs less than its busy slots. Empty: no such difference."""
     optimizer: dict[int, float] = field(default_factory=dict)
     """Seconds per local parameter of one optimizer step (gradient clipping included), as the
     engine runs it at that tp (replicated parameters, or tp shards)."""
@@ -138,6 +143,8 @@ class Profile:
             raise ValueError(
                 "profile fsdp_block and fsdp_root must cover the same stages and micro-batches"
             )
+        if any(b < 1 or t <= 0 for b, t in self.solo.items()):
+            raise ValueError("profile solo: micro-batches >= 1, times > 0")
         if any(tp < 1 or t < 0 for tp, t in self.optimizer.items()):
             raise ValueError("profile optimizer: degrees >= 1, times >= 0")
         for name in ("optimizer_sharded", "optimizer_pipeline"):
@@ -150,6 +157,17 @@ class Profile:
 
     def outside_time(self, tp: int, micro_batch: int) -> float | None:
         return _per_micro_batch(self.outside, tp, micro_batch)
+
+    def solo_ratio(self, tp: int, micro_batch: int) -> float:
+        """Time of a block run by one rank alone over its time with all ranks busy (``solo`` /
+        ``block[1]``, clamped to [0.5, 1]: a rank alone is never slower, nor faster than twice);
+        1.0 at tp > 1 (tensor-parallel ranks always run together) or where not profiled."""
+        busy = self.block_time(1, micro_batch)
+        if tp != 1 or not self.solo or not busy:
+            return 1.0
+        alone = _per_micro_batch({1: self.solo}, 1, micro_batch)
+        assert alone is not None
+        return min(1.0, max(0.5, alone / busy))
 
     def optimizer_time(
         self, tp: int, params: float, *, sharded: bool, pipeline: bool = False
@@ -202,6 +220,7 @@ class Profile:
                 for tp, row in kw.get(name, {}).items()
             }
         kw["optimizer"] = {int(tp): float(t) for tp, t in kw.get("optimizer", {}).items()}
+        kw["solo"] = {int(b): float(t) for b, t in kw.get("solo", {}).items()}
         for name in _COLLECTIVES:
             if kw.get(name) is not None:
                 kw[name] = Collective(**kw[name])

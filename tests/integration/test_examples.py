@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ FINAL_LINES = {
     "tp_plan.py": rf"final loss {_FLOAT} with tp=2",
     "pipeline_split.py": rf"final loss {_FLOAT}, layout (\{{'dp': 1, 'tp': 1, 'pp': 2, 'ep': 1\}})",
 }
-COVERED = {*FINAL_LINES, "own_loop.py", "factories.py"}
+COVERED = {*FINAL_LINES, "own_loop.py", "factories.py", "ray_dask.py"}
 
 
 def _env() -> dict[str, str]:
@@ -125,3 +126,20 @@ def test_factories_through_torsh_dist_train() -> None:
     )
     assert re.search(r"^\[rank0\]: \| steps\s+\|\s+6 \|$", stdout, re.MULTILINE), stdout[-4000:]
     assert re.search(rf"^\[rank0\]: \| validation loss\s+\|\s+{_FLOAT} \|$", stdout, re.MULTILINE)
+
+
+@pytest.mark.timeout(150)
+def test_ray_dask_example_trains_on_a_local_dask_cluster(tmp_path: Path) -> None:
+    # the Dask half (a LocalCluster of 2 worker processes); tests/integration/test_launch_ray.py
+    # and test_launch_dask.py cover both launchers' failures and resumes
+    pytest.importorskip("distributed", reason="Dask is not installed: pip install '.[dask]'")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "ray_dask.py"), "--backend", "dask", "--max-steps", "12",
+         "--checkpoint-dir", str(tmp_path / "ckpt")],
+        cwd=tmp_path, env=_env(), timeout=120, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (summary["backend"], summary["world_size"], summary["steps"]) == ("dask", 2, 12)
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert (tmp_path / "ckpt" / "step_00000010").is_dir()

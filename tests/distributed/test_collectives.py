@@ -8,6 +8,7 @@ matrix costs two process launches, not hundreds.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -420,24 +421,28 @@ def test_hot_path_is_left_while_debug_or_profiler_is_on():
         assert seen["fingerprinted"] == 1
 
 
-def _peer_never_arrives() -> str:
+def _peer_never_arrives(done: str) -> str:
     import time
     from datetime import timedelta
 
     from torsh_distributed.runtime.errors import DistributedTimeoutError
 
     group = dist.new_group(timeout=timedelta(seconds=2))
-    if dist.get_rank() == 1:
-        time.sleep(4)  # never joins; rank 0 times out meanwhile
+    if dist.get_rank() == 1:  # never joins; returns once rank 0 has timed out
+        deadline = time.monotonic() + 30
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "skipped"
     try:
         C.all_reduce(torch.ones(4), group=group)  # the direct (plain) path
     except DistributedTimeoutError as exc:
         return str(exc)
+    finally:
+        Path(done).touch()
     return "no error"
 
 
-def test_facade_reports_a_torch_timeout_as_distributed_timeout_error():
-    message, _ = run_distributed(_peer_never_arrives, 2, timeout=60)
+def test_facade_reports_a_torch_timeout_as_distributed_timeout_error(tmp_path):
+    message, _ = run_distributed(_peer_never_arrives, 2, args=(str(tmp_path / "done"),), timeout=60)
     assert "all_reduce on" in message and "timed out" in message, message
     assert "TORSH_COMM_DEBUG=1" in message

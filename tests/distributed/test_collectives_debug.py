@@ -43,8 +43,12 @@ def test_mismatched_shape_names_ranks_and_both_fingerprints(from_env):
 def _skip_collective(dump_dir: str) -> tuple[float, str, str]:
     debug.enable(timeout=DEBUG_TIMEOUT, dump_dir=dump_dir)
     C.broadcast(torch.ones(2), 0)
+    done = Path(dump_dir) / "rank0-done"
     if dist.get_rank() == 1:
-        time.sleep(DEBUG_TIMEOUT + 4)  # skips the all_reduce below; its stack shows this line
+        # Skips the all_reduce below until rank 0 is past it; its stack shows this loop.
+        deadline = time.monotonic() + DEBUG_TIMEOUT + 30
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return (0.0, "", "")
     start = time.monotonic()
     try:
@@ -55,6 +59,7 @@ def _skip_collective(dump_dir: str) -> tuple[float, str, str]:
         return (elapsed, str(exc), path.read_text())
     finally:
         debug.disable()
+        done.touch()
     return (0.0, "no error", "")
 
 

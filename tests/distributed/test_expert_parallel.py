@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -271,23 +272,28 @@ def test_apply_ep_rejects_indivisible_experts_before_communicating() -> None:
     assert msg == "num_experts (3) of MoE layer '<root>' must be divisible by ep (2)"
 
 
-def _missing_peer(port: int) -> Any:
+def _missing_peer(port: int, done: str) -> Any:
     tdist.shutdown()  # re-init with a 3 s collective timeout
     rank = int(os.environ["RANK"])
     tdist.init(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=3)
-    if rank == 1:
-        time.sleep(6)  # never joins the dispatch
-        return "slept"
+    if rank == 1:  # never joins the dispatch; returns once rank 0 is done
+        deadline = time.monotonic() + 30
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "waited"
     model = apply_ep(_make(_config()))
     start = time.monotonic()
     try:
         model(_batch(0, 5)[0])
     except DistributedTimeoutError as exc:
         return str(exc), time.monotonic() - start
+    finally:
+        Path(done).touch()
     return "no error", time.monotonic() - start
 
 
-def test_a_peer_that_never_arrives_raises_within_the_timeout() -> None:
-    (msg, elapsed), _ = run_distributed(_missing_peer, 2, args=(find_free_port(),), timeout=60)
+def test_a_peer_that_never_arrives_raises_within_the_timeout(tmp_path: Path) -> None:
+    args = (find_free_port(), str(tmp_path / "done"))
+    (msg, elapsed), _ = run_distributed(_missing_peer, 2, args=args, timeout=60)
     assert msg.startswith("[rank 0, all_to_all_single] all_to_all_single on world timed out")
     assert 2.5 < elapsed < 8.0

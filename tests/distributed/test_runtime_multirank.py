@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,24 +100,30 @@ def _hangs_on_rank_one() -> None:
 def test_harness_timeout_names_ranks_and_dumps_stacks():
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError, match=r"ranks \[1\] of 2 did not finish") as info:
-        run_distributed(_hangs_on_rank_one, 2, timeout=8)
+        run_distributed(_hangs_on_rank_one, 2, timeout=6)
     assert "_hangs_on_rank_one" in str(info.value)  # the stack of the hung rank
     assert time.monotonic() - start < 25
 
 
-def _barrier_timeout() -> str:
+def _barrier_timeout(done: str) -> str:
     if dist.get_rank() == 0:
         try:
             tdist.barrier(timeout=2)
         except DistributedTimeoutError as exc:
             return str(exc)
+        finally:
+            Path(done).touch()
         return "no error"
-    time.sleep(6)
-    return "slept"
+    # Stay away from the barrier until rank 0 is past it (a fixed sleep would have to cover
+    # rank 0's timeout plus any scheduling delay).
+    deadline = time.monotonic() + 30
+    while not Path(done).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "waited"
 
 
-def test_barrier_timeout_names_missing_rank():
-    msg, _ = run_distributed(_barrier_timeout, 2, timeout=40)
+def test_barrier_timeout_names_missing_rank(tmp_path: Path):
+    msg, _ = run_distributed(_barrier_timeout, 2, args=(str(tmp_path / "done"),), timeout=40)
     assert msg.startswith("[rank 0, barrier]")
     assert "Ranks 1 failed to pass monitoredBarrier" in msg
 

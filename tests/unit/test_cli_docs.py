@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +23,19 @@ def test_every_command_has_help_with_examples():
     for command in ("torsh-dist run", "torsh-dist train"):
         assert f"## `{command}`" in text
     assert text.count("examples:") >= 2
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    return dict(action.choices)
+
+
+def test_main_registers_only_the_command_it_runs_with_the_same_help():
+    from torsh_distributed.cli.main import _COMMANDS, build_parser
+
+    full = _subcommands(build_parser())
+    assert list(full) == list(_COMMANDS)
+    for name in ("run", "train"):
+        only = _subcommands(build_parser(name))
+        assert list(only) == [name]
+        assert only[name].format_help() == full[name].format_help()

@@ -74,13 +74,18 @@ def test_unknown_arguments_are_named_and_strict_refuses_them():
         _import({"fsdp": {}})
 
 
-def test_the_cli_prints_the_report(tmp_path: Path):
+def test_the_cli_prints_the_report(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     spec = tmp_path / "fs.json"
     spec.write_text(json.dumps({"distributed_training": {"ddp_backend": "pytorch_ddp"}, "optimization": {"clip_norm": 0.25}}))
-    cli = [sys.executable, "-m", "torsh_distributed.cli.main", "train", "--preset", "tiny", "--max-steps", "1",
-           "--eval-batches", "1", "--progress", "false", "--fairscale", str(spec)]
-    proc = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    args = ["train", "--preset", "tiny", "--max-steps", "1", "--eval-batches", "1", "--progress", "false",
+            "--fairscale", str(spec)]
+    proc = subprocess.run([sys.executable, "-m", "torsh_distributed.cli.main", *args],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "FairScale config: 1 applied, 1 mapped, 0 unsupported" in proc.stdout
-    proc = subprocess.run([*cli, "--deepspeed", str(spec)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "give --deepspeed or --fairscale, not both" in proc.stderr
+    # refused before anything runs: the command's own code in this process
+    from torsh_distributed.cli.main import main
+
+    capfd.readouterr()
+    assert main([*args, "--deepspeed", str(spec)]) == 2
+    assert "give --deepspeed or --fairscale, not both" in capfd.readouterr().err

@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
 from torsh_distributed import __version__
 from torsh_distributed.runtime.errors import TorshDistributedError
 
+_COMMANDS = {
+    "run": "torsh_distributed.cli.run",
+    "checkpoint": "torsh_distributed.cli.checkpoint",
+    "train": "torsh_distributed.cli.train",
+    "bench": "torsh_distributed.cli.bench",
+    "plan": "torsh_distributed.cli.plan",
+    "generate": "torsh_distributed.cli.generate",
+    "infer": "torsh_distributed.cli.infer",
+    "horovodrun": "torsh_distributed.cli.horovodrun",
+    "serve": "torsh_distributed.cli.serve",
+    "slurm": "torsh_distributed.cli.slurm",
+}
+"""Subcommand -> the module whose ``register(subparsers)`` adds it, in ``--help`` order."""
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``torsh-dist`` parser with every subcommand, or with ``only`` that one.
+
+    Registering a subcommand imports its module, and some import the trainer and the engine
+    (~1.5 s): :func:`main` registers just the command it runs.
+    """
     parser = argparse.ArgumentParser(
         prog="torsh-dist",
         description="torsh-distributed: launch and train PyTorch models across processes and hosts.",
@@ -18,27 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torsh-dist {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from torsh_distributed.cli import run as run_cmd
-    from torsh_distributed.cli import train as train_cmd
-
-    run_cmd.register(sub)
-    from torsh_distributed.cli import checkpoint as checkpoint_cmd
-
-    checkpoint_cmd.register(sub)
-    train_cmd.register(sub)
-    __import__("torsh_distributed.cli.bench", fromlist=["register"]).register(sub)
-    __import__("torsh_distributed.cli.plan", fromlist=["register"]).register(sub)
-    __import__("torsh_distributed.cli.generate", fromlist=["register"]).register(sub)
-    __import__("torsh_distributed.cli.infer", fromlist=["register"]).register(sub)
-    __import__("torsh_distributed.cli.horovodrun", fromlist=["register"]).register(sub)
-    __import__("torsh_distributed.cli.serve", fromlist=["register"]).register(sub)
-    __import__("torsh_distributed.cli.slurm", fromlist=["register"]).register(sub)
+    for name, module in _COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(module).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``torsh-dist``; user errors print one line and exit 2 instead of a traceback."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in _COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)

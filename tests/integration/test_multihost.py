@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -43,27 +44,46 @@ def _train_args(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
     ]
 
 
-def _reference(tmp: Path, steps: int) -> dict:
-    """The same training (same global batch) in one process on this host."""
-    args = _train_args(tmp, f"ref{steps}", steps, "--resume", "never")
-    done = subprocess.run(
-        [*CLI, "train", *args], env=_env(), capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads((tmp / f"ref{steps}.json").read_text())
+class _References:
+    """One-process results of the same training (same global batch) on this host, one run per
+    step count. ``start(steps)`` runs it in the background (a test that mostly waits on its
+    job overlaps the two); calling ``reference(steps)`` waits for it (starting it if needed)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self._tmp = tmp
+        self._running: dict[int, subprocess.Popen[str]] = {}
+        self._done: dict[int, dict] = {}
+
+    def start(self, steps: int) -> None:
+        if steps in self._done or steps in self._running:
+            return
+        args = _train_args(self._tmp, f"ref{steps}", steps, "--resume", "never")
+        self._running[steps] = subprocess.Popen(
+            [*CLI, "train", *args], env=_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+
+    def __call__(self, steps: int) -> dict:
+        if steps not in self._done:
+            self.start(steps)
+            proc = self._running.pop(steps)
+            out, _ = proc.communicate(timeout=180)
+            assert proc.returncode == 0, out[-5000:]
+            self._done[steps] = json.loads((self._tmp / f"ref{steps}.json").read_text())
+        return self._done[steps]
+
+    def stop(self) -> None:
+        for proc in self._running.values():
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_References]:
     """``reference(steps)``: one-process results, computed once per step count."""
-    tmp, done = tmp_path_factory.mktemp("reference"), {}
-
-    def get(steps: int) -> dict:
-        if steps not in done:
-            done[steps] = _reference(tmp, steps)
-        return done[steps]
-
-    return get
+    references = _References(tmp_path_factory.mktemp("reference"))
+    yield references
+    references.stop()
 
 
 def _wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> list[str]:
@@ -90,10 +110,10 @@ def _start(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hosts, backend", [(2, "static"), (3, "c10d")])
 def test_hosts_of_two_ranks_train_like_one_host(
-    tmp_path: Path, reference, hosts: int, backend: str
+    tmp_path: Path, reference: _References, hosts: int, backend: str
 ) -> None:
     steps = 8
-    ref = reference(steps)
+    reference.start(steps)  # overlaps the job's start-up and rendezvous
     with NetLab(hosts=hosts, rate_mbit=0, net=40 + hosts) as lab:
         procs = []
         for host in range(hosts):
@@ -108,6 +128,7 @@ def test_hosts_of_two_ranks_train_like_one_host(
         outs = _wait_all(procs, 200)
     codes = [p.returncode for p in procs]
     assert codes == [0] * hosts, "\n=====\n".join(o[-3000:] for o in outs)
+    ref = reference(steps)
     got = json.loads((tmp_path / "multi.json").read_text())
     assert got["world_size"] == 2 * hosts
     assert got["initial_loss"] == pytest.approx(ref["initial_loss"], abs=1e-5)
@@ -132,13 +153,16 @@ def test_unreachable_master_is_reported_in_seconds(tmp_path: Path) -> None:
         done = lab.run(
             0,
             [*CLI, "run", "--nnodes", "2", "--node-rank", "1", "--master-addr", missing,
-             "--master-port", "29613", str(script)],
+             "--master-port", "29613", "--master-timeout", "3", str(script)],
             timeout=90,
         )
         took = time.monotonic() - start
     assert done.returncode != 0
     assert f"cannot reach the master {missing}:29613" in done.stderr, done.stderr[-2000:]
     assert "eth0" in done.stderr  # names the interface it tried from
+    # --master-timeout 3 was applied (the default, 10 s, would say "no answer for 10 s" or more)
+    silence = re.search(r"no answer for (\d+) s", done.stderr)
+    assert silence and 3 <= int(silence.group(1)) < 10, done.stderr[-2000:]
     assert took < 40, f"took {took:.0f} s"
 
 
@@ -166,15 +190,17 @@ def _wait_progress(directory: Path, procs: Sequence[subprocess.Popen[bytes]], te
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_one_is_killed(
-    tmp_path: Path, reference
+    tmp_path: Path, reference: _References
 ) -> None:
     steps = 140
-    ref = reference(steps)
+    reference.start(steps)  # runs while this job mostly sleeps
     ckpt = tmp_path / "elastic"
     # Rank 0 sleeps 0.2 s per step (an injected straggler) so a joining node, which takes ~14 s
     # to start, rendezvous and restart everyone here, arrives long before the last step. (Slow
     # links would pace it too, but a saturated link also delays the rendezvous store's traffic:
-    # at 20 Mbit a node never got in.)
+    # at 20 Mbit a node never got in.) Only in the first attempt: once the killed node has made
+    # the others restart (attempt 1), the rest of the steps run at full speed.
+    slow = "slow:rank=0:ms=200:attempt=0"
     with NetLab(hosts=3, rate_mbit=0, net=46) as lab:
 
         def argv() -> list[str]:
@@ -184,10 +210,9 @@ def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_one_is_killed(
                     "--nproc-per-node", "2",
                     *_train_args(tmp_path, "elastic", steps, "--checkpoint.every", "10")]
 
-        first = [_start(lab, 0, argv(), fault="slow:rank=0:ms=200"),
-                 _start(lab, 1, argv(), fault="slow:rank=0:ms=200")]
+        first = [_start(lab, 0, argv(), fault=slow), _start(lab, 1, argv(), fault=slow)]
         _wait_progress(ckpt, first, lambda p: p["step"] >= 10, "step 10 at 4 ranks")
-        joiner = _start(lab, 2, argv(), fault="slow:rank=0:ms=200")
+        joiner = _start(lab, 2, argv(), fault=slow)
         grown = _wait_progress(ckpt, first, lambda p: p["world_size"] == 6, "the node joined")
         _wait_progress(ckpt, first, lambda p: p["step"] >= grown["step"] + 5, "5 steps at 6 ranks")
         assert lab.kill_host(2)  # the node dies: agent and both workers, SIGKILL
@@ -202,4 +227,4 @@ def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_one_is_killed(
     assert "world size 6 -> 4; left: " in log and "(ranks 4,5)" in log, log[-3000:]
     assert got["checkpoint"]["lost_steps"] is not None and got["checkpoint"]["lost_steps"] >= 0
     # The same global batch at 4, 6 and 4 ranks: the loss curve continues where it was.
-    assert got["final_loss"] == pytest.approx(ref["final_loss"], abs=2e-3)
+    assert got["final_loss"] == pytest.approx(reference(steps)["final_loss"], abs=2e-3)

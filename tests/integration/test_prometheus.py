@@ -52,15 +52,15 @@ def _start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Pope
 @pytest.mark.slow
 def test_prometheus_scrapes_step_time_of_both_ranks(tmp_path: Path):
     metrics_port = find_free_port()
+    # Prometheus starts first and scrapes the target once it is up: both start-ups overlap.
+    prometheus, prom_port = _start_prometheus(tmp_path, metrics_port)
     run = TrainingRun(
         ["--max-steps", "3000", "--monitor-every", "2", "--metrics-port", str(metrics_port),
          "--metrics-job", JOB],
         tmp_path / "train.log", slow_rank="1:0.03",
     )
-    prometheus = None
     try:
         run.wait_http(f"http://127.0.0.1:{metrics_port}/metrics")
-        prometheus, prom_port = _start_prometheus(tmp_path, metrics_port)
         deadline = time.monotonic() + 90
         ranks: dict[str, float] = {}
         slowest: list[dict] = []
@@ -81,13 +81,16 @@ def test_prometheus_scrapes_step_time_of_both_ranks(tmp_path: Path):
         phases = _query(prom_port, f'torsh_step_phase_seconds{{job="{JOB}",rank="1",phase="data"}}')
         assert phases and float(phases[0]["value"][1]) > 0.02  # rank 1 sleeps 30 ms there
         assert _query(prom_port, 'up{job="torsh"}')[0]["value"][1] == "1"
+        # The progress bar (a line every 2 s in a log file) names the slowest rank too.
+        deadline = time.monotonic() + 30
+        while "slowest=r1" not in run.output() and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         run.stop()
-        if prometheus is not None:
-            prometheus.terminate()
-            try:
-                prometheus.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                prometheus.kill()
-                prometheus.wait()
+        prometheus.terminate()
+        try:
+            prometheus.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            prometheus.kill()
+            prometheus.wait()
     assert "slowest=r1" in run.output(), "the progress bar shows the slowest rank"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -153,3 +154,19 @@ def test_fault_specs():
         faults.parse("explode:rank=1")
     with pytest.raises(ValueError, match="needs rank= and"):
         faults.parse("kill:rank=1")
+
+
+def test_slow_faults_hit_every_attempt_or_the_one_named_and_kills_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    killed: list[int] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))
+    parsed = faults.parse("slow:rank=0:ms=200,slow:rank=0:ms=100:attempt=0,kill:rank=0:step=3")
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        faults.on_step_end(3, 1, parsed)  # another rank: nothing
+        faults.on_step_end(3, 0, parsed)
+    assert slept == [0.2, 0.1, 0.2]
+    assert killed == [signal.SIGKILL]  # attempt 0 only

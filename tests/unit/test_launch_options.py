@@ -48,6 +48,7 @@ def test_defaults_describe_one_local_process() -> None:
         ({"rdzv_id": ""}, "rdzv_id"),
         ({"max_restarts": -1}, "max_restarts must be >= 0"),
         ({"monitor_interval": 0}, "monitor_interval must be > 0"),
+        ({"master_timeout": 0}, "master_timeout must be > 0"),
         ({"local_ranks_filter": {2}}, "local_ranks_filter"),
         ({"env": {"A=B": "1"}}, "env must map"),
         ({"env": {"A": 1}}, "env must map"),
@@ -105,13 +106,15 @@ def test_cli_accepts_torchrun_spellings_and_passes_script_args_through() -> None
     args = build_parser().parse_args(
         ["run", "--nproc_per_node", "3", "--nnodes", "2", "--node_rank", "1",
          "--master_addr", "10.0.0.1", "--master_port", "1234", "--max_restarts", "2",
-         "train.py", "--lr", "1e-3", "--nnodes", "9"]
+         "--master-timeout", "3", "train.py", "--lr", "1e-3", "--nnodes", "9"]
     )  # fmt: skip
     assert args.script == "train.py" and not args.module
     assert args.script_args == ["--lr", "1e-3", "--nnodes", "9"]
     options = options_from_args(args)
     assert (options.nproc_per_node, options.nnodes, options.node_rank) == (3, "2", 1)
     assert (options.master_addr, options.master_port, options.max_restarts) == ("10.0.0.1", 1234, 2)
+    assert options.master_timeout == 3.0
+    assert options_from_args(build_parser().parse_args(["run", "x.py"])).master_timeout == 10.0
 
 
 def test_cli_module_form_and_bad_nproc() -> None:

@@ -9,11 +9,12 @@
 * ``stop:rank=R:step=S``: rank R sends itself SIGSTOP after completing step S (a hung rank: alive,
   silent, holding its peers in the next collective).
 
-Kills fire only in the first attempt of an elastic job (``TORCHELASTIC_RESTART_COUNT`` 0 or
-unset) unless ``attempt=N`` says otherwise, so the restarted job runs clean. With
-``TORSH_FAULT_LOG=FILE`` every rank appends JSON lines (``kill``, ``resumed``, ``first_step``) with
-wall-clock times, from which tests and ``benchmarks/bench_checkpoint.py`` measure redone steps and
-recovery time. Nothing happens when the variable is unset.
+Kills and stops fire only in the first attempt of an elastic job (``TORCHELASTIC_RESTART_COUNT``
+0 or unset) unless ``attempt=N`` says otherwise, so the restarted job runs clean. ``slow`` slows
+every attempt, or only attempt N with ``attempt=N`` (a job paced until a failure, then at full
+speed). With ``TORSH_FAULT_LOG=FILE`` every rank appends JSON lines (``kill``, ``resumed``,
+``first_step``) with wall-clock times, from which tests and ``benchmarks/bench_checkpoint.py``
+measure redone steps and recovery time. Nothing happens when the variable is unset.
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ class Fault:
     """One parsed fault."""
 
     kind: str
-    """``kill``, ``kill-in-save`` or ``slow``."""
+    """``kill``, ``kill-in-save``, ``slow`` or ``stop``."""
     rank: int
     """The rank it hits."""
     step: int = -1
     """The step it fires at (kills)."""
     ms: float = 0.0
     """Milliseconds of sleep per step (``slow``)."""
-    attempt: int = 0
-    """Elastic attempt (restart count) in which a kill fires."""
+    attempt: int | None = None
+    """Elastic attempt (restart count) in which it fires; ``None``: attempt 0 for kills and
+    stops, every attempt for ``slow``."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -66,7 +68,7 @@ def parse(spec: str) -> list[Fault]:
                 rank=int(values["rank"]),
                 step=int(values.get("step", -1)),
                 ms=values.get("ms", 0.0),
-                attempt=int(values.get("attempt", 0)),
+                attempt=int(values["attempt"]) if "attempt" in values else None,
             )
         )
     return faults
@@ -98,16 +100,23 @@ def _kill(rank: int, step: int, where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _in_attempt(fault: Fault, default: int | None) -> bool:
+    """Whether ``fault`` applies to this attempt (``default`` when it names none; ``None``: all)."""
+    wanted = fault.attempt if fault.attempt is not None else default
+    return wanted is None or wanted == _attempt()
+
+
 def on_step_end(step: int, rank: int, faults: list[Fault]) -> None:
-    """Apply ``slow`` and ``kill`` faults after ``step`` steps completed on ``rank``."""
+    """Apply ``slow``, ``kill`` and ``stop`` faults after ``step`` steps completed on ``rank``."""
     for fault in faults:
         if fault.rank != rank:
             continue
         if fault.kind == "slow":
-            time.sleep(fault.ms / 1000.0)
-        elif fault.kind == "kill" and fault.step == step and fault.attempt == _attempt():
+            if _in_attempt(fault, None):
+                time.sleep(fault.ms / 1000.0)
+        elif fault.kind == "kill" and fault.step == step and _in_attempt(fault, 0):
             _kill(rank, step, "step")
-        elif fault.kind == "stop" and fault.step == step and fault.attempt == _attempt():
+        elif fault.kind == "stop" and fault.step == step and _in_attempt(fault, 0):
             log_event("stop", rank=rank, step=step)
             os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -119,6 +128,6 @@ def on_save_started(step: int, rank: int, faults: list[Fault]) -> None:
             fault.kind == "kill-in-save"
             and fault.rank == rank
             and fault.step == step
-            and fault.attempt == _attempt()
+            and _in_attempt(fault, 0)
         ):
             _kill(rank, step, "save")

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from torsh_distributed.elastic.launch import LaunchOptions, launch
+from torsh_distributed.elastic.launch import UNREACHABLE_AFTER_S, LaunchOptions, launch
 from torsh_distributed.runtime.errors import TorshDistributedError
 
 __all__ = ["add_launch_arguments", "options_from_args", "register"]
@@ -152,6 +152,18 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often the agent checks its workers. Default: 0.1",
     )
     group.add_argument(
+        "--master-timeout",
+        "--master_timeout",
+        dest="master_timeout",
+        type=float,
+        default=UNREACHABLE_AFTER_S,
+        metavar="SECONDS",
+        help="several nodes: give up when the master's address (--master-addr or "
+        "--rdzv-endpoint) does not answer at all for this long (wrong address, firewall); "
+        "'connection refused' (node 0 not up yet) is waited for. "
+        f"Default: {UNREACHABLE_AFTER_S:g}",
+    )
+    group.add_argument(
         "--log-dir",
         "--log_dir",
         dest="log_dir",
@@ -236,6 +248,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
+        master_timeout=args.master_timeout,
         log_dir=args.log_dir,
         local_ranks_filter=_resolve_filter(args.local_ranks_filter),
         verbose=bool(args.verbose),

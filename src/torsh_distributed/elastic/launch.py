@@ -82,8 +82,7 @@ _DEFAULT_C10D_PORT = 29400
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 UNREACHABLE_AFTER_S = 10.0
-"""A node gives up when the master's address does not answer at all for this long (a wrong
-address or a firewall); "connection refused" (node 0 not started yet) is waited for."""
+"""Default of :attr:`LaunchOptions.master_timeout`."""
 
 def parse_nnodes(nnodes: str) -> tuple[int, int]:
     """``"N"`` -> ``(N, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)``; ValueError naming ``nnodes``."""
@@ -153,6 +152,12 @@ class LaunchOptions:
     monitor_interval: float = 0.1
     """Seconds between the agent's checks of its workers: lower notices a failure sooner, higher
     costs less CPU."""
+    master_timeout: float = UNREACHABLE_AFTER_S
+    """Several nodes: seconds of silence from the master's address (no answer at all: a wrong
+    address or a firewall that drops the traffic) after which a node gives up, naming the address
+    and its interface. Lower fails sooner; too low gives up on a slow or congested network.
+    "Connection refused" (node 0 not started yet) is not silence: it is waited for up to the
+    rendezvous timeout."""
     log_dir: str | None = None
     """Keep each worker's ``stdout.log``, ``stderr.log`` and ``error.json`` (a failed worker's
     traceback) under ``<log_dir>/<rdzv_id>_*/attempt_<n>/<local_rank>/``. ``None``: a temporary
@@ -215,6 +220,12 @@ class LaunchOptions:
             raise TypeError(f"monitor_interval must be a number, got {self.monitor_interval!r}")
         if not self.monitor_interval > 0:
             raise ValueError(f"monitor_interval must be > 0 seconds, got {self.monitor_interval}")
+        if isinstance(self.master_timeout, bool) or not isinstance(
+            self.master_timeout, (int, float)
+        ):
+            raise TypeError(f"master_timeout must be a number, got {self.master_timeout!r}")
+        if not self.master_timeout > 0:
+            raise ValueError(f"master_timeout must be > 0 seconds, got {self.master_timeout}")
         if self.log_dir is not None and not str(self.log_dir):
             raise ValueError("log_dir must be a directory path or None, got an empty string")
         if self.local_ranks_filter is not None:
@@ -328,7 +339,7 @@ def _check_network(options: LaunchOptions, plan: _Plan) -> None:
     _net.wait_for_master(
         route,
         port,
-        unreachable_after_s=UNREACHABLE_AFTER_S,
+        unreachable_after_s=float(options.master_timeout),
         give_up_after_s=_RDZV_TIMEOUT_S,
         on_wait=waiting,
     )

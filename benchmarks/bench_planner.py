@@ -66,6 +66,7 @@ from planner_profile import (
     to_profile,
 )
 
+from torsh_distributed.plan.strategy import CLOSE
 from torsh_distributed.testing import run_distributed
 
 
@@ -250,6 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     same = [pr[n] for n in names] == [mr[n] for n in names]
     print(f"ranking by steady step time matches (profiled): {same}")
+    resolved = [  # pairs the planner separates by more than its tie band
+        (a, b)
+        for a, b in itertools.combinations(names, 2)
+        if abs(pred_time[a] - pred_time[b]) / min(pred_time[a], pred_time[b]) >= CLOSE
+    ]
+    agree = sum((pred_time[a] < pred_time[b]) == (meas_time[a] < meas_time[b]) for a, b in resolved)
+    print(
+        f"pairs predicted more than {CLOSE:.0%} apart ordered as measured: {agree}/{len(resolved)}"
+    )
     print("measured order, round by round (rounds 2-):", "; ".join(_pairs(rounds[1:], names)))
     return 0
 

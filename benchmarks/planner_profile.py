@@ -371,6 +371,28 @@ def measure_profile(passes: int, repeats: int, batch: int) -> dict[str, Any]:
     }
 
 
+def runtime_steps(passes: int, steps: int, batch: int) -> dict[str, float]:
+    """The training loop's own steady step time in each layout, on a negligible model (``NULL``,
+    as the memory baseline): data, the loss all-reduce for logging, hooks, the schedule, the
+    collectives' latencies; what the planner's per-model terms leave out. ``steps``-step run
+    minus a 1-step run over ``steps - 1``, medians of ``passes`` passes, the slower rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from torsh_distributed.train import train
+
+    mallopt()
+    runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    for _ in range(passes):
+        for name in LAYOUTS:
+            loop = batch * steps / train(config(name, steps, NULL, batch)).samples_per_s
+            first = batch / train(config(name, 1, NULL, batch)).samples_per_s
+            runs[name].append(max(0.0, (loop - first) / (steps - 1)))
+    med = torch.tensor([statistics.median(runs[name]) for name in LAYOUTS])
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return dict(zip(LAYOUTS, med.tolist(), strict=True))
+
+
 def to_profile(raw: dict[str, Any], source: str) -> Any:
     """The :class:`Profile` of :func:`measure_profile`'s measurements."""
     from torsh_distributed.plan.profile import Collective, Profile

@@ -64,6 +64,7 @@ from planner_profile import (
     planner_layouts,
     print_profile,
     runtime_steps,
+    steady_step,
     to_profile,
 )
 
@@ -93,8 +94,7 @@ def _round(steps: int, order: list[str], null: bool, batch: int) -> dict[str, An
         if not null:  # not in the memory round: the heap a 1-step run frees would sit in the
             # next null run's baseline. Its loop time is the first step's (one-off allocations,
             # optimizer state creation), which the planner does not model; the rest is steady
-            first = batch / train(config(name, 1, SHAPE, batch)).samples_per_s
-            steady = (batch * steps / result.samples_per_s - first) / (steps - 1)
+            steady = steady_step(batch, steps, result, train(config(name, 1, SHAPE, batch)))
         out["runs"][name] = {
             "step_s": batch / result.samples_per_s,
             "steady_s": steady,

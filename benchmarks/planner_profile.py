@@ -371,6 +371,13 @@ def measure_profile(passes: int, repeats: int, batch: int) -> dict[str, Any]:
     }
 
 
+def steady_step(batch: int, steps: int, full: Any, one: Any) -> float:
+    """Steady step seconds from a ``steps``-step run and a 1-step run (``TrainResult``s): the
+    loop time minus the first step's (one-off allocations, optimizer state), over the rest."""
+    loop = batch * steps / full.samples_per_s
+    return (loop - batch / one.samples_per_s) / (steps - 1)
+
+
 def runtime_steps(passes: int, steps: int, batch: int) -> dict[str, float]:
     """The training loop's own steady step time in each layout, on a negligible model (``NULL``,
     as the memory baseline): data, the loss all-reduce for logging, hooks, the schedule, the
@@ -385,9 +392,9 @@ def runtime_steps(passes: int, steps: int, batch: int) -> dict[str, float]:
     runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     for _ in range(passes):
         for name in LAYOUTS:
-            loop = batch * steps / train(config(name, steps, NULL, batch)).samples_per_s
-            first = batch / train(config(name, 1, NULL, batch)).samples_per_s
-            runs[name].append(max(0.0, (loop - first) / (steps - 1)))
+            full = train(config(name, steps, NULL, batch))
+            one = train(config(name, 1, NULL, batch))
+            runs[name].append(max(0.0, steady_step(batch, steps, full, one)))
     med = torch.tensor([statistics.median(runs[name]) for name in LAYOUTS])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return dict(zip(LAYOUTS, med.tolist(), strict=True))

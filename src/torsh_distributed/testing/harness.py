@@ -16,6 +16,12 @@ finish plus their Python stacks (dumped by ``faulthandler`` just before the dead
 is left behind. Functions are passed by module and qualified name, so they must be defined at
 module level.
 
+Results, exceptions and arguments cross the process boundary as plain ``pickle`` bytes, never as
+tensors shared through ``torch.multiprocessing``'s file-descriptor passing: with the latter a rank
+that exits before the parent has received its tensors takes their storage with it (the parent got
+``ConnectionResetError`` in ``rebuild_storage_fd``). Bytes in the queue do not depend on the sender
+staying alive. Like any ``multiprocessing`` queue this trusts the ranks: they are our own children.
+
 Ranks start from a forkserver that has imported torch and this package once per session.
 ``TORSH_TEST_PRELOAD`` (comma-separated module names) adds modules to that preload: every rank
 of a suite that trains through the engine would otherwise import it again, about 2 s on 2 cores.
@@ -28,6 +34,7 @@ import functools
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -72,8 +79,8 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 class _Task:
     module: str
     qualname: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    call: bytes
+    """``pickle.dumps((args, kwargs))``: tensors travel as bytes, not as shared file descriptors."""
     rank: int
     world_size: int
     backend: str
@@ -116,8 +123,16 @@ def _worker(task: _Task, results: Any) -> None:
             from torsh_distributed.runtime import world
 
             world.init(backend=task.backend, timeout=max(task.stack_after_s, 5.0))
-        value = fn(*task.args, **task.kwargs)
-        results.put(("ok", task.rank, value))
+        args, kwargs = pickle.loads(task.call)
+        value = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - say which rank returned what
+            raise TypeError(
+                f"rank {task.rank} returned a {type(value).__name__} that cannot be pickled "
+                f"({type(exc).__name__}: {exc}); return tensors, numbers, strings or containers of them"
+            ) from exc
+        results.put(("ok", task.rank, payload))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", task.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
@@ -181,6 +196,10 @@ def run_distributed(
     ctx = _context()
     results = ctx.Queue()
     port = find_free_port()
+    try:
+        call = pickle.dumps((tuple(args), dict(kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"the arguments of {qualname} cannot be pickled for the ranks: {exc}") from exc
     stack_dir = Path(tempfile.mkdtemp(prefix="torsh-harness-"))
     # Stacks are dumped a little before the deadline so the parent can read them.
     stack_after = max(timeout - min(5.0, timeout * 0.2), 0.5)
@@ -189,8 +208,7 @@ def run_distributed(
         task = _Task(
             module=module,
             qualname=qualname,
-            args=tuple(args),
-            kwargs=dict(kwargs or {}),
+            call=call,
             rank=rank,
             world_size=world_size,
             backend=backend,
@@ -290,7 +308,10 @@ def _note_crashes(
 
 def _store(msg: tuple[Any, ...], values: dict[int, Any], errors: dict[int, tuple[str, str]]) -> None:
     if msg[0] == "ok":
-        values[msg[1]] = msg[2]
+        try:
+            values[msg[1]] = pickle.loads(msg[2])
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
+            errors[msg[1]] = (f"its result could not be unpickled here: {type(exc).__name__}: {exc}", "")
     else:
         errors[msg[1]] = (msg[2], msg[3])
 

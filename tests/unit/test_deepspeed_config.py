@@ -37,7 +37,7 @@ def test_every_key_is_classified_once(path: Path):
     assert len(keys) == len(set(keys)), "a key reported twice"
     for leaf in _leaves(data):  # covered by its own entry or by an unknown parent's
         assert any(leaf == k or leaf.startswith(k + ".") for k in keys), leaf
-    assert {e.status for e in report.entries} <= {"applied", "mapped", "unsupported"}
+    assert {e.status for e in report.entries} <= {"applied", "mapped", "unsupported", "ignored"}
     assert all(e.note for e in report.entries if e.status != "applied")
     assert config.batch_size >= 1
 
@@ -125,3 +125,101 @@ def test_bad_files_and_values(tmp_path: Path):
         _import({"zero_optimization": {"stage": 4}})
     with pytest.raises(ValueError, match='train_batch_size must be an integer or "auto"'):
         _import({"train_batch_size": "32"})
+
+
+def test_the_legacy_bfloat16_section_is_read_exactly_like_bf16():
+    legacy, legacy_report = _import({"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    modern, _ = _import({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    assert legacy.parallel.param_dtype == "bf16"
+    assert legacy.to_dict() == modern.to_dict()
+    [entry] = [e for e in legacy_report.entries if e.key == "bfloat16.enabled"]
+    assert (entry.status, entry.target) == ("applied", "parallel.param_dtype")
+    assert "legacy name of bf16.enabled" in entry.note
+    off, _ = _import({"bfloat16": {"enabled": False}})
+    assert off.parallel.param_dtype == "fp32"
+    # With both sections DeepSpeed reads bf16 only: bfloat16 is listed as ignored, not applied.
+    both, report = _import({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}}, strict=True)
+    assert both.parallel.param_dtype == "fp32"
+    [shadowed] = [e for e in report.entries if e.key == "bfloat16.enabled"]
+    assert shadowed.status == "ignored" and "reads the 'bf16' section" in shadowed.note
+    _, report = _import({"bfloat16": {"enable": True}})
+    assert "did you mean 'bf16.enabled'" in report.unsupported[0].note
+
+
+def test_low_precision_master_state_is_reported_honestly():
+    _, report = _import({"bf16": {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}}, strict=True)
+    assert not report.unsupported
+    config, report = _import({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}})
+    notes = {e.key: e.note for e in report.unsupported}
+    assert "master weights and gradients stay fp32 here" in notes["bf16.bf16_master_weights_and_grads"]
+    assert "optimizer states stay fp32 here" in notes["bf16.bf16_optimizer_states"]
+    assert config.parallel.param_dtype == "bf16"
+
+
+def test_compile_maps_to_torch_compile_of_each_block():
+    config, report = _import({"compile": {"enabled": True, "backend": "inductor", "kwargs": {}}}, strict=True)
+    assert config.parallel.compile is True
+    [enabled] = [e for e in report.entries if e.key == "compile.enabled"]
+    assert (enabled.status, enabled.target) == ("mapped", "parallel.compile")
+    config, _ = _import({"compile": {"enabled": False}})
+    assert config.parallel.compile is False
+    config, report = _import({"compile": {"enabled": True, "backend": "eager", "kwargs": {"mode": "max-autotune"}}})
+    notes = {e.key: e.note for e in report.unsupported}
+    assert "blocks compile with inductor here" in notes["compile.backend"]
+    assert "not configurable here" in notes["compile.kwargs"]
+    # DeepCompile (newer releases) is not built; its settings matter only when it is on.
+    _, report = _import({"compile": {"deepcompile": False, "offload_activation": False}}, strict=True)
+    assert {e.status for e in report.entries} == {"applied", "mapped"}
+    _, report = _import({"compile": {"deepcompile": True, "offload_activation": True}})
+    notes = {e.key: e.note for e in report.unsupported}
+    assert "DeepCompile" in notes["compile.deepcompile"] and "not built" in notes["compile.offload_activation"]
+    with pytest.raises(ValueError, match="compile.enabled must be true or false"):
+        _import({"compile": {"enabled": "yes"}})
+
+
+def test_autotp_size_is_the_tensor_parallel_degree():
+    config, report = _import({"tensor_parallel": {"autotp_size": 2}, "train_micro_batch_size_per_gpu": 4}, world_size=4)
+    assert config.parallel.tp == 2
+    assert config.batch_size == 8  # micro 4 x accumulation 1 x (4 ranks / tp 2)
+    [entry] = [e for e in report.entries if e.key == "tensor_parallel.autotp_size"]
+    assert (entry.status, entry.target) == ("mapped", "parallel.tp") and "TP plan" in entry.note
+    config, _ = _import({"tensor_parallel": {"autotp_size": 0}})
+    assert config.parallel.tp == 1
+    with pytest.raises(ValueError, match=r"autotp_size 3 \(x pp 1\) does not divide the 4 ranks"):
+        _import({"tensor_parallel": {"autotp_size": 3}}, world_size=4)
+    with pytest.raises(ValueError, match="autotp_size must be an integer >= 0"):
+        _import({"tensor_parallel": {"autotp_size": "2"}})
+    _, report = _import({"tensor_parallel": {"autotp_size": 2, "tp_grain_size": 64}})
+    assert [e.key for e in report.unsupported] == ["tensor_parallel.tp_grain_size"]
+
+
+def test_comment_keys_are_listed_as_ignored_at_any_level_and_never_refused():
+    ds = {"_comment": "ZeRO-2 for 8 GPUs", "_notes": {"author": "x"},
+          "zero_optimization": {"stage": 2, "_comment": "keep buckets small"},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "_why": "sweep"}},
+          "tensorboard": {"enabled": False, "_comment": "off"}}
+    config, report = _import(ds, strict=True)
+    ignored = {e.key for e in report.by_status("ignored")}
+    assert ignored == {"_comment", "_notes", "zero_optimization._comment", "optimizer.params._why", "tensorboard._comment"}
+    assert not any("did you mean" in e.note for e in report.entries)
+    assert config.parallel.zero_stage == 2 and config.optim.lr == 1e-3
+    assert report.format().splitlines()[0].endswith(", 5 ignored")
+
+
+def test_activation_checkpointing_keys_alone_do_not_turn_recomputation_on():
+    section = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
+               "number_checkpoints": 4, "synchronize_checkpoint_boundary": False, "profile": False}
+    config, report = _import({"activation_checkpointing": section}, strict=True)
+    assert config.parallel.activation_checkpointing == "none"
+    entries = [e for e in report.entries if e.key.startswith("activation_checkpointing.")]
+    assert len(entries) == 6
+    assert all(e.status == "mapped" and e.target == "" and "section alone recomputes nothing" in e.note for e in entries)
+    # recomputation chosen on our side stays as chosen
+    base = EngineConfig(batch_size=32)
+    base.parallel.activation_checkpointing = "every-2"
+    config, _ = import_deepspeed({"activation_checkpointing": section}, base, world_size=2)
+    assert config.parallel.activation_checkpointing == "every-2"
+    _, report = _import({"activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": True}})
+    notes = {e.key: e.note for e in report.unsupported}
+    assert "offloading checkpoints to the host" in notes["activation_checkpointing.cpu_checkpointing"]
+    assert "partitioning checkpointed activations" in notes["activation_checkpointing.partition_activations"]

@@ -4,6 +4,8 @@ A rule takes the key's value and the :class:`Context` and returns an :class:`Out
 that change a setting record it in ``ctx.changes`` (dotted names of our config). Keys of
 DeepSpeed's documented schema (https://www.deepspeed.ai/docs/config-json/) are listed here,
 including deprecated ones still found in public configs (``zero_optimization.cpu_offload``).
+The keys that describe how the model computes (activation checkpointing, compile, tensor
+parallelism, low-precision master state) are in :mod:`._deepspeed_model_rules`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ class Context:
     data: dict[str, Any]
     settings: dict[str, Any]
     dp_world: int
+    """Data-parallel ranks: ``world_size / (tp * pp)`` (a tensor-parallel rule may change it)."""
     hidden_size: int | None
+    world_size: int = 0
+    """Ranks of the run."""
     changes: dict[str, Any] = field(default_factory=dict)
     derived: list[tuple[str, Any, str, str]] = field(default_factory=list)
     batch: dict[str, int] = field(default_factory=dict)
@@ -380,26 +385,6 @@ def _stage3_gather(value: Any, ctx: Context) -> Outcome:
     )
 
 
-def _ac(inner: Rule) -> Rule:
-    """Any key of ``activation_checkpointing`` turns on recomputation of every block (DeepSpeed
-    checkpoints where the model code calls its ``checkpoint()``; here it wraps the blocks)."""
-
-    def rule(value: Any, ctx: Context) -> Outcome:
-        if ctx.get("parallel.activation_checkpointing") == "none":
-            ctx.set("parallel.activation_checkpointing", "full")
-        out = inner(value, ctx)
-        if out.status == "unsupported":
-            return out
-        note = "every block recomputed in backward (--ac full)"
-        return Outcome(
-            out.status,
-            "parallel.activation_checkpointing",
-            f"{note}; {out.note}" if out.note else note,
-        )
-
-    return rule
-
-
 def _steps_per_print(value: Any, ctx: Context) -> Outcome:
     if value != "auto":
         ctx.set("log_every", _int("steps_per_print", value))
@@ -537,16 +522,6 @@ RULES: dict[str, Rule] = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": _stage3_gather,
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": _stage3_gather,
     **{f"zero_optimization.{k}": _unsupported(why) for k, why in _ZERO_UNSUPPORTED.items()},
-    "activation_checkpointing.partition_activations": _ac(
-        _off_or("partitioning activations over model-parallel ranks is not built")
-    ),
-    "activation_checkpointing.cpu_checkpointing": _ac(
-        _off_or("offloading checkpoints to the host is not built")
-    ),
-    "activation_checkpointing.contiguous_memory_optimization": _ac(_off_or("not built")),
-    "activation_checkpointing.number_checkpoints": _ac(_mapped("per block here")),
-    "activation_checkpointing.synchronize_checkpoint_boundary": _ac(_off_or("not built")),
-    "activation_checkpointing.profile": _ac(_off_or("use --monitor for phase timings")),
     "tensorboard.*": _monitor_section("tensorboard"),
     "wandb.*": _monitor_section("wandb"),
     "csv_monitor.*": _monitor_section("csv_monitor"),
@@ -584,7 +559,6 @@ SECTIONS = frozenset(
         "zero_optimization",
         "zero_optimization.offload_optimizer",
         "zero_optimization.offload_param",
-        "activation_checkpointing",
         "tensorboard",
         "wandb",
         "csv_monitor",

@@ -1,4 +1,4 @@
-"""The report every config importer returns: each key applied, mapped or unsupported."""
+"""The report every config importer returns: each key applied, mapped, unsupported or ignored."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from torsh_distributed.engine.config import EngineConfig
 
 __all__ = ["ConfigReport", "KeyReport", "Status", "apply_changes", "read_json"]
 
-Status = Literal["applied", "mapped", "unsupported"]
+Status = Literal["applied", "mapped", "unsupported", "ignored"]
+"""``ignored``: a key that is not a setting (a ``_comment``) or that the original framework does
+not read (a legacy section shadowed by its new name); listed, never refused by ``strict``."""
 C = TypeVar("C", bound=EngineConfig)
 
 
@@ -48,11 +50,13 @@ class ConfigReport:
 
     def format(self) -> str:
         """A plain-text table, one line per key, grouped by status."""
+        ignored = len(self.by_status("ignored"))
         lines = [
             f"{self.source}: {len(self.by_status('applied'))} applied, "
             f"{len(self.by_status('mapped'))} mapped, {len(self.unsupported)} unsupported"
+            + (f", {ignored} ignored" if ignored else "")
         ]
-        for status in ("applied", "mapped", "unsupported"):
+        for status in ("applied", "mapped", "unsupported", "ignored"):
             for e in self.by_status(status):  # type: ignore[arg-type]
                 target = f" -> {e.target}" if e.target else ""
                 note = f" ({e.note})" if e.note else ""

@@ -14,7 +14,10 @@ happened to each key:
   warm-up done linearly, ...);
 * **unsupported**: no equivalent here (NVMe offload, ``hysteresis`` > 1, 1-bit Adam, the
   profilers, DeepSpeed's own monitors, ...), and unknown keys, with a "did you mean" for
-  misspellings. ``strict=True`` turns any unsupported key into a ``ValueError``.
+  misspellings. ``strict=True`` turns any unsupported key into a ``ValueError``;
+* **ignored**: listed, never refused: comments (``_comment``, any key starting with ``_``, at
+  any level: annotations, not settings) and a legacy ``bfloat16`` section next to a ``bf16`` one
+  (DeepSpeed then reads only ``bf16``; alone, ``bfloat16`` is read exactly as ``bf16``).
 
 ``"auto"`` values resolve as Hugging Face's ``HfTrainerDeepSpeedConfig`` resolves them, from the
 base config standing in for the trainer's arguments: micro-batch and accumulation from the
@@ -35,7 +38,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torsh_distributed.compat._deepspeed_rules import RULES, SECTIONS, Context, Outcome
+from torsh_distributed.compat._deepspeed_model_rules import (
+    MODEL_RULES,
+    MODEL_SECTIONS,
+    autotp_size,
+)
+from torsh_distributed.compat._deepspeed_rules import RULES as _BASE_RULES
+from torsh_distributed.compat._deepspeed_rules import SECTIONS as _BASE_SECTIONS
+from torsh_distributed.compat._deepspeed_rules import Context, Outcome
 from torsh_distributed.compat._report import ConfigReport, KeyReport, apply_changes, read_json
 from torsh_distributed.engine.config import EngineConfig
 
@@ -44,6 +54,12 @@ __all__ = ["DeepSpeedReport", "KeyReport", "import_deepspeed", "load_deepspeed_j
 C = TypeVar("C", bound=EngineConfig)
 DeepSpeedReport = ConfigReport
 """The report of a DeepSpeed config (:class:`~._report.ConfigReport`)."""
+
+RULES = {**_BASE_RULES, **MODEL_RULES}
+SECTIONS = _BASE_SECTIONS | MODEL_SECTIONS
+LEGACY_SECTIONS = {"bfloat16": "bf16"}
+"""Old section names DeepSpeed still reads when the new name is absent (``get_bfloat16_config``)."""
+COMMENT_NOTE = "a comment: keys starting with '_' are not settings"
 
 
 def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
@@ -57,7 +73,7 @@ def _leaves(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict) and path in SECTIONS:
+        if isinstance(value, dict) and (path in SECTIONS or path in LEGACY_SECTIONS):
             out.extend(_leaves(value, path + "."))  # an empty section has no keys to report
         else:
             out.append((path, value))
@@ -76,6 +92,24 @@ def _suggest(path: str) -> str:
         full = f"{parent}.{close[0]}" if parent else close[0]
         return f"unknown key; did you mean {full!r}?"
     return "unknown key"
+
+
+def _is_comment(path: str) -> bool:
+    """``_comment``, ``zero_optimization._note``...: keys that only annotate a config."""
+    return any(part.startswith("_") for part in path.split("."))
+
+
+def _legacy(path: str, data: Mapping[str, Any]) -> tuple[str, str]:
+    """``(the key DeepSpeed reads it as, why it is ignored)``: a key of a legacy section is read
+    as its new name's key, unless the config also has the new section (then DeepSpeed reads only
+    that one)."""
+    section, dot, rest = path.partition(".")
+    new = LEGACY_SECTIONS.get(section)
+    if new is None or not dot:
+        return path, ""
+    if isinstance(data.get(new), dict):
+        return path, f"DeepSpeed reads the {new!r} section when both {new!r} and {section!r} exist"
+    return f"{new}.{rest}", ""
 
 
 def _rule(path: str) -> Callable[[Any, Context], Outcome] | None:
@@ -118,17 +152,34 @@ def import_deepspeed(
     data = load_deepspeed_json(ds) if isinstance(ds, (str, Path)) else dict(ds)
     settings = base.to_dict()
     par = settings["parallel"]
-    dp_world = world_size // max(par["tp"] * par["pp"], 1)
-    ctx = Context(data=data, settings=settings, dp_world=dp_world, hidden_size=hidden_size)
+    tp = autotp_size(data) or par["tp"]  # the batch rules need the final dp world
+    dp_world = world_size // max(tp * par["pp"], 1)
+    ctx = Context(
+        data=data,
+        settings=settings,
+        dp_world=dp_world,
+        hidden_size=hidden_size,
+        world_size=world_size,
+    )
     report = ConfigReport("DeepSpeed config")
     for path, value in _leaves(data):
-        rule = _rule(path)
-        hint = _suggest(path) if path not in RULES else ""
+        if _is_comment(path):
+            report.entries.append(KeyReport(path, value, "ignored", "", COMMENT_NOTE))
+            continue
+        read_as, shadowed = _legacy(path, data)
+        if shadowed:
+            report.entries.append(KeyReport(path, value, "ignored", "", shadowed))
+            continue
+        rule = _rule(read_as)
+        hint = _suggest(read_as) if read_as not in RULES else ""
         if rule is None or "did you mean" in hint:  # unknown, or a misspelling of a known key
             report.entries.append(KeyReport(path, value, "unsupported", "", hint))
             continue
         out = rule(value, ctx)
-        report.entries.append(KeyReport(path, value, out.status, out.target, out.note))
+        note = out.note
+        if read_as != path:
+            note = f"legacy name of {read_as}" + (f"; {note}" if note else "")
+        report.entries.append(KeyReport(path, value, out.status, out.target, note))
     _finish_batch(ctx)  # the triple, once every key was seen
     report.entries.extend(KeyReport(k, v, "applied", t, n) for k, v, t, n in ctx.derived)
     _check_explicit(ctx.changes, explicit or {})

@@ -1,6 +1,6 @@
 """ElasticState in a user's own DDP loop at 2 ranks: ``elastic.run`` syncs ranks that start
 apart, and after a crash a restarted loop resumes from the last durable commit and ends exactly
-where an uninterrupted run ends (model and momentum restored)."""
+where an uninterrupted run ends (model, momentum and the learning-rate schedule restored)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,12 @@ def _state(seed: int, manager: CheckpointManager | None) -> elastic.ElasticState
     # init_sync=False: DDP does not broadcast, so ranks that start apart stay apart unless synced
     model = apply_ddp(nn.Linear(4, 1), init_sync=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # halves the rate every 2 steps: a resume that restarted the schedule would train differently
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     return elastic.ElasticState(
-        model=model, optimizer=optimizer, manager=manager, step=0, origin=f"seed {seed}"
-    )
+        model=model, optimizer=optimizer, manager=manager, scheduler=scheduler, step=0,
+        origin=f"seed {seed}",
+    )  # fmt: skip
 
 
 @elastic.run
@@ -45,6 +48,7 @@ def _train(state: elastic.ElasticState, crash_at: int | None = None) -> torch.Te
         state.optimizer.zero_grad()
         F.mse_loss(state.model(x), x.sum(1, keepdim=True)).backward()
         state.optimizer.step()
+        state.scheduler.step()
         state.step += 1
         if state.step % 3 == 0:
             state.commit(step=state.step)
@@ -73,6 +77,7 @@ def _resume_after_crash(directory: str) -> dict:
     out["resumed_from"] = int(resumed[-1])
     out["same_as_uninterrupted"] = torch.equal(resumed[:-1], reference[:-1])
     out["step"] = restarted.step
+    out["lr"] = restarted.optimizer.param_groups[0]["lr"]
     return out
 
 
@@ -82,3 +87,4 @@ def test_user_loop_resumes_from_the_last_commit_like_an_uninterrupted_run(tmp_pa
         assert out["step"] == TOTAL
         assert out["same_as_uninterrupted"]
         assert out["synced_values"] == "seed 0"
+        assert out["lr"] == 0.05 * 0.5 ** (TOTAL // 2)

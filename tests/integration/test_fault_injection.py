@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -218,3 +219,74 @@ def test_a_deliberately_slow_rank_is_named_by_the_straggler_report():
     states = {rank: (state, reason) for rank, state, reason in result["health"]}
     assert states[1][0] == DEGRADED and states[1][1].startswith("straggler"), states
     assert states[0][0] == "healthy" and states[2][0] == "healthy", states
+
+
+# --- what the launcher and the trainer say about restarts (default verbosity) --------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restarts_are_said_and_the_summary_totals_every_attempt(tmp_path):
+    # attempt 0: rank 1 dies after step 2, before the first checkpoint (step 3);
+    # attempt 1: resumes at step 0, saves step 3, rank 0 dies after step 5;
+    # attempt 2: resumes at step 3 and finishes.
+    fault = "kill:rank=1:step=2,kill:rank=0:step=5:attempt=1"
+    summary = tmp_path / "summary.json"
+    directory = tmp_path / "ckpt"
+    proc = _train(
+        directory, "--no-async-checkpoint", "--max-restarts", "2", "--summary-json", str(summary),
+        fault=fault,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    # the launcher: one line per failure, one per restart
+    assert "torsh-dist: rank 1 failed (local rank 1, node 0, host " in proc.stderr, out
+    assert "; killed by SIGKILL)\ntorsh-dist: restart 1 of 2 (--max-restarts 2)" in proc.stderr, out
+    assert "torsh-dist: rank 0 failed (local rank 0, node 0, host " in proc.stderr, out
+    assert "; killed by SIGKILL)\ntorsh-dist: restart 2 of 2 (--max-restarts 2)" in proc.stderr, out
+    assert proc.stderr.count("failed (local rank") == 2, out  # ranks stopped by the agent: not failures
+    # the trainer: where each attempt resumed, also at step 0
+    assert (
+        "[rank0]: checkpoint: resumed at step 0 (no checkpoint yet; 2 step(s) lost): the previous "
+        "attempt reached step 2 at world size 2" in proc.stdout
+    ), out
+    assert f"[rank0]: checkpoint: resumed from {directory / step_dir_name(3)} at step 3" in proc.stdout
+    assert (
+        "[rank0]: checkpoint: the previous attempt reached step 5 at world size 2: 2 step(s) lost"
+        in proc.stdout
+    ), out
+    assert "2 restart(s), 4 step(s) lost and recomputed over all attempts" in proc.stdout, out
+    assert re.search(r"\| checkpoint restarts +\| +2 \|", proc.stdout), out
+    assert re.search(r"\| checkpoint lost steps +\| +4 \|", proc.stdout), out
+    block = json.loads(summary.read_text())["checkpoint"]
+    assert (block["restarts"], block["lost_steps"], block["resumed_step"]) == (2, 4, 3), block
+    attempts = [(a["attempt"], a["resumed_step"], a["reached_step"]) for a in block["attempts"]]
+    assert attempts == [(0, 0, 2), (1, 0, 5), (2, 3, STEPS)], block
+    assert block["saves"] == 4, block  # step 3 in attempt 1; 6, 9 and the final 10 in attempt 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_larger_max_steps_continues_the_schedule_and_other_changes_are_named(reference, tmp_path):
+    import shutil
+
+    longer = tmp_path / "longer"
+    shutil.copytree(reference, longer)
+    proc = _train(longer, "--max-steps", str(STEPS + 2), "--no-async-checkpoint")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert (
+        f"[rank0]: checkpoint: max_steps {STEPS} -> {STEPS + 2}: continuing the schedule (" in out
+    ), out
+    assert "different configuration" not in out, out
+    assert "previous attempt" not in out, out  # a rerun of a finished run lost nothing
+
+    changed = tmp_path / "changed"
+    shutil.copytree(reference, changed)
+    proc = _train(changed, "--max-steps", str(STEPS + 2), "--lr", "0.01", "--no-async-checkpoint")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert (
+        f"was written by a run with a different configuration: max_steps {STEPS} -> {STEPS + 2}, "
+        "optim.lr 0.003 -> 0.01" in out
+    ), out

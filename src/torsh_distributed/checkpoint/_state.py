@@ -14,7 +14,9 @@ from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-__all__ = ["ReusedBuffersStager", "fingerprint", "is_zero1", "zero1_optim_state"]
+__all__ = [
+    "ReusedBuffersStager", "fingerprint", "is_zero1", "refill_hyperparameters", "zero1_optim_state",
+]
 
 
 class ReusedBuffersStager(BlockingAsyncStager):
@@ -80,3 +82,15 @@ def zero1_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
             for key, value in entries.items()
         }
     return {"state": state}
+
+
+def refill_hyperparameters(optimizer: torch.optim.Optimizer, hyper: list[dict[str, Any]]) -> None:
+    """Put back param-group settings (lr, betas, ...) that loading dropped.
+
+    DCP writes non-tensor values once, from the coordinator, as if every rank had the same ones.
+    Pipeline ranks hold different parameters, so the settings keyed by another rank's parameter
+    names do not come back; the run's own settings (from its config) fill them in.
+    """
+    for group, saved in zip(optimizer.param_groups, hyper, strict=True):
+        for key, value in saved.items():
+            group.setdefault(key, value)

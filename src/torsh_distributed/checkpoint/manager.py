@@ -39,7 +39,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -59,10 +59,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torsh_distributed.checkpoint import manifest, retention
 from torsh_distributed.checkpoint._safe import SafeFileSystemReader
+from torsh_distributed.checkpoint._settings import check_settings, flatten_settings
 from torsh_distributed.checkpoint._state import (
     ReusedBuffersStager,
     fingerprint,
     is_zero1,
+    refill_hyperparameters,
     zero1_optim_state,
 )
 from torsh_distributed.checkpoint.resume import capture_rng, restore_rng
@@ -131,6 +133,8 @@ class LoadedCheckpoint:
     """False when the world size changed (RNG states are per rank and were left alone)."""
     skipped: list[str] = field(default_factory=list)
     """Descriptions of newer checkpoints that were invalid and skipped."""
+    changed_settings: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    """``{name: (saved, now)}`` of the settings this run changed (see ``settings``)."""
 
 
 def _rank_tensors_file(rank: int) -> str:
@@ -208,6 +212,10 @@ class CheckpointManager:
         async_save: Write in the background; the caller waits only for the host copy. Costs
             a host-memory copy of this rank's state while the write is in flight.
         config_hash: Stored in ``meta.json``; :meth:`load` warns when it differs.
+        settings: What ``config_hash`` hashes (JSON, nested or not), stored in ``meta.json`` so
+            that the warning names the settings that differ (``optim.lr 0.003 -> 0.01``).
+        expected_changes: Flattened setting names that may change between a save and a load
+            without a warning (still returned in ``LoadedCheckpoint.changed_settings``).
         layout: How this run lays out tensors that DCP cannot convert by itself (the built-in
             model's fused ``qkv`` rows are permuted per tensor-parallel degree: ``{"tp": 2}``);
             stored in ``meta.json``. :meth:`load` refuses a checkpoint with another layout
@@ -225,6 +233,8 @@ class CheckpointManager:
         async_save: bool = True,
         config_hash: str = "",
         layout: Mapping[str, Any] | None = None,
+        settings: Mapping[str, Any] | None = None,
+        expected_changes: Collection[str] = (),
     ) -> None:
         if keep_last < 0 or keep_best < 0 or every_steps < 0 or every_s < 0:
             raise ValueError("keep_last, keep_best, every_steps and every_s must be >= 0")
@@ -234,6 +244,8 @@ class CheckpointManager:
         self.async_save = async_save
         self.config_hash = config_hash
         self.layout = dict(layout or {})
+        self.settings = flatten_settings(settings) if settings is not None else None
+        self.expected_changes = frozenset(expected_changes)
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         # Background saves and main-thread control messages each get their own Gloo group: two
@@ -332,6 +344,7 @@ class CheckpointManager:
                     "step": step,
                     "world_size": self.world_size,
                     "config_hash": self.config_hash,
+                    **({"settings": self.settings} if self.settings is not None else {}),
                     "layout": self.layout,
                     "metric": metric,
                     "time": time.time(),
@@ -559,7 +572,7 @@ class CheckpointManager:
                     model_state_dict=state["model"],
                     optim_state_dict=state["optim"],
                 )
-                _refill_hyperparameters(optimizer, hyper)
+                refill_hyperparameters(optimizer, hyper)
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - report which checkpoint failed
@@ -569,12 +582,13 @@ class CheckpointManager:
                 operation="checkpoint.load",
                 fix="the model/optimizer must match the ones saved (same shapes and names)",
             ) from exc
-        if self.config_hash and meta.get("config_hash") not in ("", self.config_hash):
-            warnings.warn(
-                f"checkpoint {chosen} was written by a run with a different configuration "
-                f"(hash {meta.get('config_hash')} vs {self.config_hash})",
-                stacklevel=2,
-            )
+        changes = check_settings(
+            meta,
+            path=chosen,
+            config_hash=self.config_hash,
+            settings=self.settings,
+            expected=self.expected_changes,
+        )
         same_world = meta.get("world_size") == self.world_size
         rank_state = rank_tensors = None
         if same_world:
@@ -593,16 +607,6 @@ class CheckpointManager:
             rank_tensors=rank_tensors,
             rng_restored=same_world,
             skipped=skipped,
+            changed_settings=changes,
         )
 
-
-def _refill_hyperparameters(optimizer: torch.optim.Optimizer, hyper: list[dict[str, Any]]) -> None:
-    """Put back param-group settings (lr, betas, ...) that loading dropped.
-
-    DCP writes non-tensor values once, from the coordinator, as if every rank had the same ones.
-    Pipeline ranks hold different parameters, so the settings keyed by another rank's parameter
-    names do not come back; the run's own settings (from its config) fill them in.
-    """
-    for group, saved in zip(optimizer.param_groups, hyper, strict=True):
-        for key, value in saved.items():
-            group.setdefault(key, value)

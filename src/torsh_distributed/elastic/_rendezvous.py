@@ -10,7 +10,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
@@ -23,11 +23,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from torsh_distributed.elastic._network import Route
+from torsh_distributed.elastic._options import LaunchOptions
 from torsh_distributed.runtime.env import DEFAULT_MASTER_PORT
 from torsh_distributed.runtime.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from torsh_distributed.elastic.launch import LaunchOptions
 
 LOCAL_BACKEND = "torsh-local"
 RDZV_TIMEOUT_S = 900

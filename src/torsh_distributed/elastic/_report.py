@@ -1,11 +1,16 @@
-"""The one block a failed job prints: the root-cause rank, its traceback, the others in brief."""
+"""What the launcher prints when workers fail.
+
+A failed job: one block naming the root-cause rank, with its traceback, and the others in brief
+(:func:`report_failure`). A failure that a restart follows: one line per failed rank and one for
+the restart (:func:`report_restart`), at every verbosity, since no final report will show that
+attempt."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -13,10 +18,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from torsh_distributed.runtime.errors import is_peer_failure
 
-__all__ = ["report_failure"]
+__all__ = ["report_failure", "report_restart"]
 
-# Exit signals the agent itself sends when it stops the rest of a failed group.
-_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
+# Exit signals of workers the launcher stopped: the agent stops the rest of a failed group with
+# SIGTERM; SIGINT and SIGHUP reach every worker when the launcher itself is interrupted. SIGKILL
+# is not one of them (the agent sends it only to a worker that ignored SIGTERM for 30 s): it is
+# how the OOM killer or `kill -9` ends a worker, a cause worth naming.
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 # --- the failure report ----------------------------------------------------------------------
@@ -76,6 +84,61 @@ def _status(failure: ProcessFailure) -> str:
     return f"exit code {code}" if code >= 0 else f"killed by {failure.signal_name()}"
 
 
+def _where(failure: _Failure, node: int | None) -> str:
+    """``local rank L, node N, host H`` (the node when known: the worker's record, or ``node``)."""
+    where = [f"local rank {failure.failure.local_rank}"]
+    group_rank = failure.info.get("group_rank", node)
+    if group_rank is not None:
+        where.append(f"node {group_rank}")
+    where.append(f"host {failure.info.get('host') or socket.gethostname()}")
+    return ", ".join(where)
+
+
+def _first_line(text: str) -> str:
+    first = (text.splitlines() or [""])[0]
+    return first[:197] + "..." if len(first) > 200 else first
+
+
+def report_restart(
+    failures: Mapping[int, ProcessFailure],
+    *,
+    restart: int,
+    max_restarts: int,
+    node: int | None,
+    num_workers: int,
+    out: TextIO,
+) -> None:
+    """One line per failed rank (the root cause first), then one for the restart that follows.
+
+    ``failures`` maps global ranks to this node's failed workers, as the agent saw them when it
+    decided to restart; ``restart`` counts from 1 up to ``max_restarts``. Workers the agent
+    stopped (SIGTERM) because of the failure are not failures and are not listed.
+    """
+    classified = [_classify(rank, f) for rank, f in failures.items()]
+    lines = []
+    if classified:
+        root = _root_cause(classified)
+        # ranks the agent stopped (SIGTERM) because of the root cause are not failures
+        others = sorted(
+            (f for f in classified if f is not root and f.kind != "stopped"),
+            key=lambda f: f.rank,
+        )
+        for failure in [root, *others]:
+            status = _status(failure.failure)
+            # a signal says it all; an exit code needs the exception (its traceback is not shown)
+            detail = "" if status.startswith("killed by") else f": {_first_line(failure.summary)}"
+            lines.append(
+                f"torsh-dist: rank {failure.rank} failed ({_where(failure, node)}; {status}){detail}"
+            )
+    else:  # UNHEALTHY without a failed process (the agent's own health check)
+        lines.append(f"torsh-dist: the workers of node {node if node is not None else '?'} are unhealthy")
+    lines.append(
+        f"torsh-dist: restart {restart} of {max_restarts} (--max-restarts {max_restarts}): "
+        f"all {num_workers} worker(s) of this node start again"
+    )
+    print("\n".join(lines), file=out, flush=True)
+
+
 def report_failure(exc: ChildFailedError, *, node: int | None, log_dir: str | None, out: TextIO) -> int:
     """Print one block for a failed job; return the launcher's exit code.
 
@@ -84,12 +147,7 @@ def report_failure(exc: ChildFailedError, *, node: int | None, log_dir: str | No
     """
     failures = [_classify(rank, f) for rank, f in exc.failures.items()]
     root = _root_cause(failures)
-    where = [f"local rank {root.failure.local_rank}"]
-    group_rank = root.info.get("group_rank", node)
-    if group_rank is not None:
-        where.append(f"node {group_rank}")
-    where.append(f"host {root.info.get('host') or socket.gethostname()}")
-    lines = [f"torsh-dist: rank {root.rank} failed ({', '.join(where)}; {_status(root.failure)})"]
+    lines = [f"torsh-dist: rank {root.rank} failed ({_where(root, node)}; {_status(root.failure)})"]
     if root.traceback:
         lines.append(root.traceback.rstrip("\n"))
     else:
@@ -100,9 +158,7 @@ def report_failure(exc: ChildFailedError, *, node: int | None, log_dir: str | No
     if others:
         lines.append("other failed ranks:")
         for other in others:
-            first = (other.summary.splitlines() or [""])[0]
-            if len(first) > 200:
-                first = first[:197] + "..."
+            first = _first_line(other.summary)
             lines.append(
                 f"  rank {other.rank} (local rank {other.failure.local_rank}): {first} "
                 f"({_status(other.failure)})"

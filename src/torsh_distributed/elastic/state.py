@@ -25,6 +25,13 @@ and starts them again, so durability comes from the :class:`CheckpointManager` (
 to the last commit, for code that catches a recoverable error (say, a NaN loss) itself. Plain
 values (epoch, step, anything JSON) are attributes of the state. Nothing here knows the engine:
 any model (plain, DDP or FSDP2) and any optimizer work.
+
+Besides model and optimizer, anything with ``state_dict()`` / ``load_state_dict()`` that a loop
+needs to continue exactly: a learning-rate ``scheduler`` and a loss ``scaler`` (their state is
+the same on every rank and is saved as JSON in the checkpoint's metadata, so it loads at any world
+size) and a gradient ``compressor`` (error-feedback residuals, PowerSGD factors: per rank, saved
+in the rank's tensor file and restored when the world size is unchanged; a resized job starts it
+afresh, with a warning).
 """
 
 from __future__ import annotations
@@ -32,12 +39,14 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torsh_distributed.checkpoint.manager import CheckpointManager
@@ -46,17 +55,26 @@ from torsh_distributed.runtime.errors import CheckpointError
 __all__ = ["ElasticState", "run"]
 
 T = TypeVar("T")
-_OWN = ("model", "optimizer", "manager", "_values", "_snapshot", "commits")
+_JSON_STATE = ("scheduler", "scaler")  # same on every rank: checkpoint metadata, any world size
+_RANK_STATE = ("compressor",)  # per rank, with tensors: the rank's own file, same world size
+_OWN = ("model", "optimizer", "manager", "_values", "_snapshot", "commits", *_JSON_STATE, *_RANK_STATE)
 
 
 class ElasticState:
-    """Model, optimizer and JSON values that can be committed, restored and synced.
+    """Model, optimizer, their companions and JSON values that can be committed, restored and
+    synced.
 
     Args:
         model: The model (wrapped or not); may be ``None``.
         optimizer: Its optimizer; may be ``None``.
         manager: Where ``commit(step=...)`` saves durably and ``load_latest`` reads; ``None`` keeps
             commits in memory only (lost when the process dies).
+        scheduler: A learning-rate scheduler (``torch.optim.lr_scheduler.*``); its state must be
+            JSON (torch's schedulers' is), checked at each durable commit.
+        scaler: A loss scaler (``torch.amp.GradScaler`` or the engine's); JSON state, like
+            ``scheduler``.
+        compressor: A gradient compressor (or its DDP hook state): per-rank tensor state, saved
+            beside the rank's RNG state; restored only at the same world size.
         **values: JSON-serialisable values (``epoch=0``, ``step=0``), read and set as attributes.
     """
 
@@ -66,6 +84,9 @@ class ElasticState:
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         manager: CheckpointManager | None = None,
+        scheduler: Stateful | None = None,
+        scaler: Stateful | None = None,
+        compressor: Stateful | None = None,
         **values: Any,
     ) -> None:
         try:  # fail early on values a checkpoint could not hold
@@ -75,6 +96,13 @@ class ElasticState:
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "manager", manager)
+        for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("compressor", compressor)):
+            if obj is not None and not isinstance(obj, Stateful):
+                raise TypeError(
+                    f"ElasticState {name} must have state_dict() and load_state_dict(), got "
+                    f"{type(obj).__name__}"
+                )
+            object.__setattr__(self, name, obj)
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "_snapshot", None)
         object.__setattr__(self, "commits", 0)
@@ -116,13 +144,32 @@ class ElasticState:
             "optim": copy.deepcopy(self.optimizer.state_dict())
             if self.optimizer is not None
             else None,
+            **{name: copy.deepcopy(obj.state_dict()) for name, obj in self._companions().items()},
         }
         object.__setattr__(self, "_snapshot", snapshot)
         self.commits += 1
         if self.manager is not None and step is not None and self.model is not None:
+            state = {name: snapshot[name] for name in _JSON_STATE if name in snapshot}
+            try:  # the checkpoint's metadata is JSON: say which object does not fit
+                json.dumps(state)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(
+                    f"ElasticState: the state_dict() of {', '.join(state)} must be "
+                    f"JSON-serialisable to be checkpointed: {exc}"
+                ) from None
+            compressor = snapshot.get("compressor")
             self.manager.save(
-                step, model=self.model, optimizer=self.optimizer, extra={"values": self._values}
+                step,
+                model=self.model,
+                optimizer=self.optimizer,
+                extra={"values": self._values, "state": state},
+                rank_tensors={"compressor": compressor} if compressor is not None else None,
             )
+
+    def _companions(self) -> dict[str, Stateful]:
+        """Scheduler, scaler and compressor, those that were given."""
+        names = (*_JSON_STATE, *_RANK_STATE)
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def restore(self) -> None:
         """Roll back to the last :meth:`commit`.
@@ -145,6 +192,8 @@ class ElasticState:
             # device), so later steps would update the snapshot in place and a second restore
             # would roll back to the wrong state
             self.optimizer.load_state_dict(copy.deepcopy(snap["optim"]))
+        for name, obj in self._companions().items():
+            obj.load_state_dict(copy.deepcopy(snap[name]))  # a copy, for the same reason
 
     def load_latest(self) -> int | None:
         """Load the newest valid checkpoint of the manager (collective); its step, or ``None``."""
@@ -153,7 +202,24 @@ class ElasticState:
         loaded = self.manager.load(model=self.model, optimizer=self.optimizer)
         if loaded is None:
             return None
-        self._values.update(loaded.meta.get("extra", {}).get("values", {}))
+        extra = loaded.meta.get("extra", {})
+        self._values.update(extra.get("values", {}))
+        saved_state = extra.get("state", {})
+        for name in _JSON_STATE:
+            obj = getattr(self, name)
+            if obj is not None and name in saved_state:
+                obj.load_state_dict(saved_state[name])
+        if self.compressor is not None:
+            saved = (loaded.rank_tensors or {}).get("compressor")
+            if saved is not None:
+                self.compressor.load_state_dict(saved)
+            else:
+                warnings.warn(
+                    f"checkpoint {loaded.path}: no compressor state for this rank (saved at world "
+                    f"size {loaded.meta.get('world_size')}, or without a compressor); the "
+                    "compressor starts afresh",
+                    stacklevel=2,
+                )
         return loaded.step
 
     def sync(self, *, root: int = 0) -> None:

@@ -8,6 +8,12 @@ step), what the model is (``extra["model"]``: for the built-in GPT its shape, Mo
 tokenizer, read back by :mod:`torsh_distributed.inference.load`), a hash of the settings that
 change the computation, small JSON state that is equal on every rank (the fp16 loss scale) and
 per-rank tensor state (gradient-compression residuals and PowerSGD factors, in ``rank_R.pt``).
+
+What a resumed run says (main rank, at every verbosity): where it resumed (``resumed from PATH
+at step S``, or ``resumed at step 0 (no checkpoint yet; N step(s) lost)``), what the restart lost,
+and a changed ``max_steps`` as a schedule change rather than a configuration warning. Restarts,
+lost steps and saves are totalled over every attempt of the job (kept in ``progress.json``; see
+:mod:`~torsh_distributed.checkpoint.progress`) for the summary's ``checkpoint`` block.
 """
 
 from __future__ import annotations
@@ -23,21 +29,31 @@ from torch import nn
 
 from torsh_distributed.checkpoint import faults
 from torsh_distributed.checkpoint.config import CheckpointConfig
-from torsh_distributed.checkpoint.manager import CheckpointManager
+from torsh_distributed.checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from torsh_distributed.checkpoint.progress import (
+    Progress,
+    attempt_entry,
+    carried_attempts,
     describe_restart,
+    job_attempt,
+    membership_change,
     node_label,
     read_progress,
     record_progress,
 )
 from torsh_distributed.checkpoint.resume import check_data_position, data_position
 from torsh_distributed.data.sampler import GlobalSampler, check_sampler_state
+from torsh_distributed.engine.config import OptimConfig
+from torsh_distributed.engine.optim import lr_at
 from torsh_distributed.runtime import world
 
 __all__ = ["RunCheckpoint", "settings_hash", "computation_settings"]
 
 # The engine settings that change what is computed; the rest (progress, logging, backend, ...) do not.
 _HASHED = ("optim", "max_steps", "batch_size", "seed")
+# Settings a resume may change without a warning: a finished run continued with a larger
+# --max-steps (reported as a schedule change instead).
+_SCHEDULE = ("max_steps",)
 
 
 def computation_settings(config: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -129,10 +145,16 @@ class RunCheckpoint:
                 async_save=self.section.async_save,
                 config_hash=settings_hash(settings),
                 layout=layout,
+                settings=settings,
+                expected_changes=_SCHEDULE,
             )
         self.saving = bool(self.section.dir)
-        self.lost_steps: int | None = None
+        self.settings = dict(settings)
         self._members: list[dict[str, Any]] = []
+        self.job, self.attempt = job_attempt()
+        # the job's earlier attempts (from progress.json) and this one: the summary totals them
+        self._attempts: list[dict[str, Any]] = []
+        self._this = attempt_entry(self.attempt, resumed_step=0, lost_steps=0)
 
     def _gather_members(self) -> None:
         """Who runs this attempt (rank, node, host), for ``progress.json``: one collective."""
@@ -145,16 +167,31 @@ class RunCheckpoint:
         self._members = [m for m in gathered if m is not None]
 
     def resume(self) -> tuple[int, list[float]]:
-        """Load the checkpoint ``--resume`` names; return the step to start at and past losses."""
+        """Load the checkpoint ``--resume`` names; return the step to start at and past losses.
+
+        Collective. The main rank says where the run resumed (also at step 0 after a restart
+        that found no checkpoint) and what the restart lost.
+        """
         if self.saving:
             self._gather_members()
-        if self.manager is None or self.section.resume == "never":
-            return 0, []
         previous = read_progress(self.section.dir) if self.saving and self.is_main else None
-        path = None if self.section.resume == "auto" else self.section.resume
-        loaded = self.manager.load(model=self.model, optimizer=self.optimizer, path=path)
-        if loaded is None:
-            return 0, []
+        self._attempts = carried_attempts(previous, job=self.job, attempt=self.attempt)
+        step, losses, loaded_from = 0, [], None
+        if self.manager is not None and self.section.resume != "never":
+            path = None if self.section.resume == "auto" else self.section.resume
+            loaded = self.manager.load(model=self.model, optimizer=self.optimizer, path=path)
+            if loaded is not None:
+                step, losses = self._restore(loaded)
+                loaded_from = loaded.path
+        if self.is_main:
+            self._announce(previous, step=step, loaded=loaded_from is not None)
+        self._share_attempts()
+        if self.saving and self.is_main:
+            self._record(step)
+        return step, losses
+
+    def _restore(self, loaded: LoadedCheckpoint) -> tuple[int, list[float]]:
+        """Check and restore what the engine keeps beside model and optimizer; say so."""
         extra: dict[str, Any] = loaded.meta.get("extra", {})
         step = check_data_position(
             extra.get("data", {}), seed=self.seed, batch_size=self.batch_size
@@ -191,11 +228,8 @@ class RunCheckpoint:
                 )
             )
             self.write(f"checkpoint: resumed from {loaded.path} at step {step}{note}")
-            if previous is not None:
-                self.lost_steps, line = describe_restart(
-                    previous, resumed_step=step, world_size=world.world_size(), members=self._members
-                )
-                self.write(f"checkpoint: {line}")
+            if "max_steps" in loaded.changed_settings:
+                self.write(f"checkpoint: {self._schedule_change(loaded, step)}")
             if missing:
                 self.write(
                     f"checkpoint: {', '.join(missing)} state not in the checkpoint "
@@ -204,6 +238,92 @@ class RunCheckpoint:
                 )
             faults.log_event("resumed", rank=self.rank, step=step, path=str(loaded.path))
         return step, losses
+
+    def _schedule_change(self, loaded: LoadedCheckpoint, step: int) -> str:
+        """``max_steps 100 -> 200: continuing the schedule (...)``: what the new length does to
+        the learning rate of the built-in schedule at the resumed step."""
+        old, new = loaded.changed_settings["max_steps"]
+        line = f"max_steps {old} -> {new}: continuing the schedule"
+        if "lr_scheduler" in self.json_state:
+            return line + " (your lr_scheduler continues from its saved state)"
+        saved = loaded.meta.get("settings") or {}
+        try:
+            optim = OptimConfig(**self.settings["optim"])
+            saved_optim = OptimConfig(
+                **{k[len("optim.") :]: v for k, v in saved.items() if k.startswith("optim.")}
+            )
+            before = lr_at(step, optim=saved_optim, max_steps=int(old))
+            after = lr_at(step, optim=optim, max_steps=int(new))
+        except (KeyError, TypeError, ValueError):
+            return line  # settings of another shape (a caller's own): nothing more to say
+        if before == after:
+            return line + f" (learning rate at step {step}: {after:.3g}, unchanged)"
+        decay = "" if optim.schedule == "constant" else f"{optim.schedule} decay to step {new}; "
+        return line + f" ({decay}learning rate at step {step}: {before:.3g} -> {after:.3g})"
+
+    def _announce(self, previous: Progress | None, *, step: int, loaded: bool) -> None:
+        """Main rank: what this attempt lost, and where it starts when no checkpoint was loaded."""
+        world_size = world.world_size()
+        if loaded:
+            if previous is not None:
+                lost, line = describe_restart(
+                    previous, resumed_step=step, world_size=world_size, members=self._members
+                )
+                self._this["lost_steps"] = lost
+                changed = membership_change(previous, world_size=world_size, members=self._members)
+                if lost or changed or self.attempt:  # not a plain rerun of a finished run
+                    self.write(f"checkpoint: {line}")
+        elif self.manager is not None and self.section.resume != "never":
+            if previous is None and self.attempt == 0:
+                return  # a fresh run
+            lost = previous.step if previous is not None else 0
+            text = f"resumed at step 0 (no checkpoint yet; {lost} step(s) lost)"
+            if previous is not None:
+                text += (
+                    f": the previous attempt reached step {previous.step} at world size "
+                    f"{previous.world_size}"
+                    + membership_change(previous, world_size=world_size, members=self._members)
+                )
+            self._this["lost_steps"] = lost
+            self.write(f"checkpoint: {text}")
+        elif self.attempt > 0:
+            same_job = previous is not None and previous.job == self.job
+            lost = previous.step if previous is not None and same_job else None
+            why = "--resume never" if self.manager is not None else "no --checkpoint-dir"
+            self._this["lost_steps"] = lost or 0
+            counted = f"; {lost} step(s) lost" if lost is not None else ": every step is redone"
+            self.write(f"checkpoint: restart {self.attempt} starts at step 0 ({why}{counted})")
+        self._this["resumed_step"] = self._this["reached_step"] = step
+
+    def _share_attempts(self) -> None:
+        """Every rank gets the main rank's attempt history (one tiny broadcast), so the summary
+        is the same everywhere."""
+        if not self.saving or world.world_size() == 1 or not torch.distributed.is_initialized():
+            return  # without progress.json there is no history: each rank's own figures hold
+        box: list[Any] = [(self._attempts, self._this)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        carried, this = box[0]
+        self._attempts = carried
+        self._this = {**this, "saves": self._this["saves"], "stall_s": self._this["stall_s"]}
+
+    def _all_attempts(self) -> list[dict[str, Any]]:
+        return [*self._attempts, self._this]
+
+    def _record(self, step: int) -> None:
+        """Main rank: ``progress.json`` with this attempt's figures brought up to date."""
+        self._this["reached_step"] = step
+        if self.manager is not None:
+            self._this["saves"] = self.manager.num_saves
+            self._this["stall_s"] = round(self.manager.total_stall_s, 4)
+        record_progress(
+            self.section.dir,
+            step=step,
+            world_size=world.world_size(),
+            members=self._members,
+            job=self.job,
+            attempt=self.attempt,
+            attempts=self._all_attempts(),
+        )
 
     def _load_rank_state(self, saved: Mapping[str, Any]) -> list[str]:
         """Restore each ``rank_state`` object saved on this rank; return the names not found."""
@@ -250,12 +370,12 @@ class RunCheckpoint:
             faults.log_event("first_step", rank=self.rank, step=step)
         self._first_step_logged = True
         if self.saving and self.is_main:
-            record_progress(
-                self.section.dir, step=step, world_size=world.world_size(), members=self._members
-            )
+            self._record(step)
         if self.saving and self.manager is not None and step < self.max_steps:
             if self.manager.due(step):
                 self._save(step, losses)
+                if self.is_main:
+                    self._record(step)  # count the save, should the next step never come
         if self.faults:
             faults.on_step_end(step, self.rank, self.faults)
 
@@ -266,12 +386,21 @@ class RunCheckpoint:
         if self.saving and self.section.save_final and self._saved_step != step:
             self._save(step, losses)
         self.manager.close()
-        if self.is_main and self.manager.num_saves:
-            self.write(
-                f"checkpoint: {self.manager.num_saves} save(s) to {self.section.dir}, training "
-                f"blocked {self.manager.total_stall_s:.3f} s in total "
+        if self.saving and self.is_main:
+            self._record(step)
+        totals = self.summary()
+        if self.is_main and totals["saves"]:
+            line = (
+                f"checkpoint: {totals['saves']} save(s) to {self.section.dir}, training "
+                f"blocked {totals['stall_s']:.3f} s in total "
                 f"({'async' if self.section.async_save else 'sync'})"
             )
+            if totals["restarts"]:
+                line += (
+                    f"; {totals['restarts']} restart(s), {totals['lost_steps']} step(s) lost "
+                    "and recomputed over all attempts"
+                )
+            self.write(line)
 
     def close(self) -> None:
         """Wait for a pending asynchronous save (idempotent; the error path)."""
@@ -279,12 +408,22 @@ class RunCheckpoint:
             self.manager.close()
 
     def summary(self) -> dict[str, Any]:
-        """Checkpoint figures for the run summary."""
+        """Checkpoint figures for the run summary, totalled over every attempt of the job.
+
+        ``saves`` and ``stall_s``: all attempts; ``resumed_step``: where this (the last) attempt
+        started from a checkpoint (``None``: it did not); ``lost_steps``: steps recomputed after
+        every restart; ``restarts``: elastic restarts; ``attempts``: one entry per attempt.
+        """
         if self.manager is None:
-            return {}
+            return {"restarts": self.attempt} if self.attempt else {}
+        self._this["saves"] = self.manager.num_saves
+        self._this["stall_s"] = round(self.manager.total_stall_s, 4)
+        attempts = self._all_attempts()
         return {
-            "saves": self.manager.num_saves,
-            "stall_s": round(self.manager.total_stall_s, 4),
+            "saves": sum(int(a.get("saves", 0)) for a in attempts),
+            "stall_s": round(sum(float(a.get("stall_s", 0.0)) for a in attempts), 4),
             "resumed_step": self.resumed_step,
-            "lost_steps": self.lost_steps,
+            "lost_steps": sum(int(a.get("lost_steps", 0)) for a in attempts),
+            "restarts": self.attempt,
+            "attempts": [dict(a) for a in attempts],
         }

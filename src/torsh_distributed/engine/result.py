@@ -55,7 +55,9 @@ class TrainResult:
     monitor: dict = field(default_factory=dict)
     """Bottleneck report of ``--monitor`` (slowest rank, step time, findings); {} when off."""
     checkpoint: dict = field(default_factory=dict)
-    """Checkpoint saves, seconds the loop was blocked by them, step resumed from; {} when off."""
+    """Checkpoint saves and seconds the loop was blocked by them, restarts and lost steps, all
+    totalled over every attempt of an elastic job; the step the last attempt resumed from; one
+    entry per attempt (``attempts``); {} when off."""
     precision: dict = field(default_factory=dict)
     """Mixed precision: dtypes, and with fp16 the final loss scale and the skipped steps."""
     moe: dict = field(default_factory=dict)
@@ -81,13 +83,22 @@ def write_json_atomic(path: str | Path, data: Any) -> Path:
 
 def print_summary(result: TrainResult) -> None:
     """The end-of-run table (the monitor's report and checkpoint lines were printed already;
-    compression ``none`` and zero throughput say nothing: the JSON summary keeps all of them)."""
+    compression ``none`` and zero throughput say nothing: the JSON summary keeps all of them).
+    After a restart or a resume that lost steps, rows ``checkpoint restarts`` and ``checkpoint
+    lost steps`` (every attempt's) and ``checkpoint resumed step`` (the last attempt's)."""
     hidden = {"monitor", "checkpoint", "layout"}
     if result.compression.get("method", "none") == "none":
         hidden.add("compression")
     if not result.tokens_per_s:
         hidden.add("tokens_per_s")
     table = {k: v for k, v in result.summary().items() if k not in hidden}
+    checkpoint = result.checkpoint
+    if checkpoint.get("restarts") or checkpoint.get("lost_steps"):
+        table["checkpoint"] = {
+            key: checkpoint[key]
+            for key in ("restarts", "lost_steps", "resumed_step")
+            if checkpoint.get(key) is not None
+        }
     print(format_summary(for_table(table)), flush=True)
 
 

@@ -1,0 +1,75 @@
+"""torch's local elastic agent, made to say when it restarts the workers and why.
+
+torch's agent restarts a failed worker group silently (its own log line is at INFO, hidden unless
+``--verbose``, and names neither the rank nor the signal). :class:`_ReportingAgent` is torch's
+``LocalElasticAgent`` with one addition: when ``_monitor_workers`` (the hook the agent's
+implementations provide) finds failed workers and a restart is left, it prints which ranks failed
+and the restart number (:func:`~torsh_distributed.elastic._report.report_restart`). Everything
+else, including the decision to restart, stays torch's.
+
+``launch_agent`` builds its agent from the module-level name ``LocalElasticAgent`` of
+``torch.distributed.launcher.api``; :func:`reporting_agent` points that name at the subclass for
+the duration of one launch, which keeps ``launch_agent`` itself (rendezvous parameters, metrics,
+events, shutdown) torch's across versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import torch.distributed.launcher.api as _launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from torsh_distributed.elastic._report import report_restart
+
+__all__ = ["reporting_agent"]
+
+_LOCK = threading.Lock()
+_local = threading.local()  # the agent runs in the thread that called launch(): its `out`
+_patch: dict[str, Any] = {"users": 0, "saved": None}
+
+
+class _ReportingAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` that reports each failure a restart follows (see module docstring)."""
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        remaining = getattr(self, "_remaining_restarts", None)
+        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        out: TextIO | None = getattr(_local, "out", None)
+        if failed and out is not None and isinstance(remaining, int) and remaining > 0:
+            spec = worker_group.spec
+            report_restart(
+                result.failures,
+                restart=spec.max_restarts - remaining + 1,
+                max_restarts=spec.max_restarts,
+                node=worker_group.group_rank,
+                num_workers=len(worker_group.workers),
+                out=out,
+            )
+        return result
+
+
+@contextlib.contextmanager
+def reporting_agent(out: TextIO) -> Iterator[None]:
+    """Within the block, ``launch_agent`` in this thread runs :class:`_ReportingAgent`, printing
+    to ``out``. Concurrent launches in other threads get the same class, each its own ``out``."""
+    previous = getattr(_local, "out", None)
+    with _LOCK:
+        if _patch["users"] == 0:
+            _patch["saved"] = _launcher_api.LocalElasticAgent
+            _launcher_api.LocalElasticAgent = _ReportingAgent  # type: ignore[misc]
+        _patch["users"] += 1
+    _local.out = out
+    try:
+        yield
+    finally:
+        _local.out = previous
+        with _LOCK:
+            _patch["users"] -= 1
+            if _patch["users"] == 0:
+                _launcher_api.LocalElasticAgent = _patch["saved"]  # type: ignore[misc]

@@ -165,6 +165,15 @@ def test_max_restarts_recovers_from_a_first_attempt_failure(tmp_path: Path) -> N
     done = [m for m in re.findall(r"^\[rank(\d)\]: DONE (.*)$", result.stdout, re.MULTILINE)]
     assert ("0", '{"attempt": 1}') in done and ("1", '{"attempt": 1}') in done, result.stdout
     assert "[rank1]: RuntimeError: first attempt fails (attempt 1 of 2 failed" in result.stderr
+    # the launcher says which rank failed, how, and that it restarts, without --verbose
+    assert re.search(
+        r"^torsh-dist: rank 1 failed \(local rank 1, node 0, host [^;]+; exit code 1\): "
+        r"RuntimeError: first attempt fails\n"
+        r"torsh-dist: restart 1 of 1 \(--max-restarts 1\): all 2 worker\(s\) of this node start again$",
+        result.stderr,
+        re.MULTILINE,
+    ), result.stderr
+    assert "rank 0 failed" not in result.stderr, result.stderr  # stopped by the agent, not failed
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ a collective whose peer never arrives times out instead of hanging."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -84,3 +86,28 @@ def test_ranks_that_do_not_start_in_time_are_named():
     # 10 ms: shorter than any interpreter's start, so no rank can be ready in time
     with pytest.raises(DistributedTimeoutError, match=r"rank\(s\) 0, 1 did not start within start_timeout 0.01 s"):
         horovod.run(_rank_one_raises, num_proc=2, start_timeout=0.01)
+
+
+SCRIPT = '''
+import torch
+import torsh_distributed.horovod as horovod
+import torsh_distributed.horovod.torch as hvd
+
+
+def train(base):
+    hvd.init()
+    return hvd.allreduce(torch.tensor([base + hvd.rank()]), op=hvd.Sum).item()
+
+
+print("RESULTS", horovod.run(train, args=(10.0,), num_proc=2, start_timeout=START))
+'''
+
+
+def test_a_script_without_a_main_guard_runs_a_function_of_its_own(tmp_path: Path):
+    # Horovod's examples define the function in the script itself and call horovod.run at top
+    # level: the function travels by value (cloudpickle) and the ranks never import the script.
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("START", str(START)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=START + 60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULTS [21.0, 21.0]" in proc.stdout  # (10 + 0) + (10 + 1) on both ranks

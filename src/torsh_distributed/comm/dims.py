@@ -11,6 +11,10 @@ hosts, such as network namespaces, count as nodes::
 
     dims = ParallelDims(dp=-1, tp=2).build()
     dims.group("tp"), dims.intra_group, dims.inter_group, dims.num_nodes
+    dims.destroy()  # the groups it created; the process group itself keeps running
+
+A run that builds its dims destroys them when it ends (the engine does), so that a process
+calling ``fit()`` again and again does not accumulate groups.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class ParallelDims:
     _subgroups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False)
     _data: dist.ProcessGroup | None = field(default=None, init=False)
     _data_mesh: DeviceMesh | None = field(default=None, init=False)
+    _owned: list[dist.ProcessGroup] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if not self.world_size:
@@ -150,11 +155,17 @@ class ParallelDims:
             raise ValueError(
                 f"world_size {self.world_size} does not match the process group's {dist.get_world_size()}"
             )
+        if self.mesh is not None:
+            raise ValueError("ParallelDims.build() was already called; call destroy() first")
         self.mesh = init_device_mesh(
             self.device_type, tuple(self.degrees.values()), mesh_dim_names=AXES
         )
         for axis in AXES:
-            _NAMES[id(self.mesh.get_group(axis))] = axis
+            group = self.mesh.get_group(axis)
+            _NAMES[id(group)] = axis
+            # an axis spanning the world may reuse the default group, which is not ours
+            if group != dist.group.WORLD and all(group is not g for g in self._owned):
+                self._owned.append(group)
         self._build_data_groups()
         self._nodes = self._discover_nodes()
         self._build_hierarchy()
@@ -257,7 +268,27 @@ class ParallelDims:
             self._subgroups[key] = group
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 _NAMES[id(group)] = name or "ranks" + ",".join(map(str, key))
+                self._owned.append(group)
         return group
+
+    def destroy(self) -> None:
+        """Destroy every process group :meth:`build` and :meth:`subgroup` created; every rank
+        calls it, after the last collective on them. The default group keeps running; the dims
+        can be built again. Does nothing when not built or when the process group is gone."""
+        global _CURRENT
+        owned, self._owned = self._owned, []
+        if dist.is_initialized():
+            live = dist.distributed_c10d._world.pg_map
+            for group in reversed(owned):  # the reverse of creation, the same on every rank
+                if group in live:
+                    dist.destroy_process_group(group)
+        for group in owned:
+            _NAMES.pop(id(group), None)
+        self.mesh, self._data_mesh, self._data = None, None, None
+        self._intra, self._inter, self._nodes = None, None, ()
+        self._subgroups.clear()
+        if _CURRENT is self:
+            _CURRENT = None
 
     # -- queries -----------------------------------------------------------------------------
     def group(self, axis: str) -> dist.ProcessGroup:

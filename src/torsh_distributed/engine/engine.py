@@ -184,7 +184,9 @@ class Engine:
         """Train on this rank; every rank of the job calls it. Returns the same result on all.
 
         Uses the running process group, or starts one from the environment (a world of one when
-        not launched) and shuts it down at the end.
+        not launched) and shuts it down at the end. The process groups of the run's layout
+        (``parallel.*`` axes) are destroyed when it returns, so a model passed in as a module and
+        sharded by the run (ZeRO-2/3, tp, pp) is not for collectives afterwards: its checkpoints are.
 
         Raises:
             ValueError: an invalid setting (the same on every rank, before any collective).

@@ -32,6 +32,29 @@ def test_flags_override_preset():
     assert cfg.model.d_model == preset("tiny").model.d_model
 
 
+def test_shared_field_names_have_section_flags_and_the_bare_spelling_names_the_choices(capsys):
+    cfg = _parse("--optim.warmup-steps", "3", "--compression.warmup-steps", "5")
+    assert (cfg.optim.warmup_steps, cfg.compression.warmup_steps) == (3, 5)
+    assert _parse("--compression-warmup", "4").compression.warmup_steps == 4
+    for argv in (["--warmup-steps", "3"], ["--warmup-steps=3"], ["--warmup-steps"]):
+        with pytest.raises(SystemExit) as exit_info:
+            _parse(*argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert (
+            "error: --warmup-steps is ambiguous: 2 sections have this setting; use "
+            "--optim.warmup-steps (steps of linear warm-up from 0 to lr) or "
+            "--compression.warmup-steps / --compression-warmup (exchange uncompressed gradients "
+            "for the first N steps, then compress)"
+        ) in err
+    with pytest.raises(SystemExit):
+        _parse("--every", "5")
+    err = capsys.readouterr().err
+    assert "--every is ambiguous: 3 sections have this setting; use --checkpoint.every" in err
+    assert "--monitor.every / --monitor-every" in err and "--moe.every" in err
+    assert _parse("--trace", "t.json").comm.trace == "t.json"  # claimed by one section: kept
+
+
 def test_json_round_trip():
     cfg = _parse("--seed", "9")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg

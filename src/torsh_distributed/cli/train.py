@@ -7,8 +7,10 @@ N local ranks by itself.
 
 Flags are generated from :class:`~torsh_distributed.train.config.TrainConfig`: every field is
 ``--section.field-name`` (``--model.n-layer 4``) and, where the name is unique, also
-``--field-name`` (``--n-layer 4``, ``--lr 1e-3``, ``--max-steps 50``). A preset gives the
-starting values; flags override them.
+``--field-name`` (``--n-layer 4``, ``--lr 1e-3``, ``--max-steps 50``). A name that several
+sections share has no bare flag, and spelling it bare is refused with the choices named
+(``--warmup-steps``: ``--optim.warmup-steps`` or ``--compression.warmup-steps``). A preset gives
+the starting values; flags override them.
 
 With ``--nproc-per-node N`` (N > 1, or several nodes) the command re-launches itself through
 ``torsh-dist run`` machinery as ``python -m torsh_distributed.train --config-json ...``, so what
@@ -45,6 +47,9 @@ examples:
   torsh-dist train --nproc-per-node 4 --preset tiny --max-steps 50 --batch-size 64 --lr 2e-3
   torsh-dist train --preset small --model.n-layer 6 --summary-json runs/small.json
   torsh-dist run --nproc-per-node 2 -m torsh_distributed.train --preset tiny   # same, via run
+  # a setting two sections share is named with its section (a bare --warmup-steps is refused)
+  torsh-dist train --nproc-per-node 2 --optim.warmup-steps 20 \\
+      --compression topk:0.01 --compression.warmup-steps 5
   # a DeepSpeed JSON config: every key reported as applied / mapped / unsupported
   torsh-dist train --nproc-per-node 2 --deepspeed ds_config.json [--strict]
   # parameter server: rank 0 serves, ranks 1-2 train with bounded staleness 2
@@ -94,6 +99,62 @@ def _type_of(cls: type, f: dataclasses.Field[Any]) -> Any:
     return {int: int, float: float, str: str, bool: _parse_bool}[hint]
 
 
+class _Ambiguous(argparse.Action):
+    """A bare ``--field-name`` that several sections share: refused, naming each section's flag."""
+
+    def __init__(
+        self, option_strings: list[str], dest: str, *, spellings: list[str], **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.spellings = spellings
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{option_string} is ambiguous: {len(self.spellings)} sections have this setting; "
+            f"use {' or '.join(self.spellings)}"
+        )
+
+
+def _gist(doc: str) -> str:
+    """The first clause of a field's docstring, for an error message."""
+    text = doc.replace("``", "")
+    for stop in (". ", " (", "; "):
+        if stop in text:
+            text = text[: text.index(stop)]
+    text = text.rstrip(".")
+    return text[:1].lower() + text[1:]
+
+
+def _add_ambiguous(
+    group: argparse._ArgumentGroup,
+    owners: list[tuple[str, type]],
+    counts: dict[str, int],
+) -> None:
+    """Refuse ``--name`` for each field name shared by sections when no field claims it."""
+    claimed = {
+        flag for _, cls in owners for f in _fields(cls) for flag in f.metadata.get("flags", ())
+    }
+    for name in sorted(n for n, c in counts.items() if c > 1):
+        bare = f"--{name.replace('_', '-')}"
+        if bare in claimed:
+            continue
+        spellings = []
+        for section, cls in owners:
+            docs = _field_docs(cls)
+            for f in _fields(cls):
+                if f.name == name:
+                    flags = [f"--{section}.{bare[2:]}", *f.metadata.get("flags", ())]
+                    what = _gist(docs.get(name, ""))
+                    spellings.append(" / ".join(flags) + (f" ({what})" if what else ""))
+        group.add_argument(bare, dest=argparse.SUPPRESS, action=_Ambiguous, spellings=spellings)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--preset`` and one flag per :class:`TrainConfig` field (default: keep the preset)."""
     group = parser.add_argument_group("training configuration (defaults come from --preset)")
@@ -106,6 +167,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for _, cls in owners:
         for f in _fields(cls):
             counts[f.name] = counts.get(f.name, 0) + 1
+    _add_ambiguous(group, owners, counts)
     for section, cls in owners:
         docs = _field_docs(cls)
         for f in _fields(cls):

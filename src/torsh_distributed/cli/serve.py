@@ -180,6 +180,11 @@ def _run_here(args: argparse.Namespace, config: Any) -> int:
 def _handle(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    # load the modules first: recording every warning while they import would print any
+    # import-time deprecation of torch's as if it were about these settings
+    import torsh_distributed.inference.serve  # noqa: F401
+    import torsh_distributed.inference.server  # noqa: F401
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = _config(args)  # refuses a public address without a token, before loading

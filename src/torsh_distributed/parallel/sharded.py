@@ -36,7 +36,6 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["apply_fsdp", "shard_optimizer", "select_units", "DTYPES"]
 
@@ -157,6 +156,11 @@ def shard_optimizer(
         return optimizer
     if optimizer.state:
         raise ValueError("shard_optimizer needs a fresh optimizer (it has state already)")
+    # imported here: torch.distributed.optim scripts its functional optimizers with the deprecated
+    # torch.jit.script on import (~20 DeprecationWarnings and seconds of start-up), which
+    # everything else importing this module (the model, `torsh-dist serve`) does not need
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}

@@ -1,5 +1,8 @@
 """The HTTP side of :mod:`torsh_distributed.inference.server` (private): the request handler
 (routes, token check, body limit, JSON and server-sent-event answers) and the listening socket.
+
+The handler answers for any :class:`App` (the server implements it), so this module does not
+import the server that imports it.
 """
 
 from __future__ import annotations
@@ -10,15 +13,12 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from torsh_distributed.inference._serving import Pending, RequestError, answer
+from torsh_distributed.inference._serving import Pending, RequestError, ServingMetrics, answer
 
-if TYPE_CHECKING:
-    from torsh_distributed.inference.server import InferenceServer
-
-__all__ = ["InFlight", "bind", "ROUTES"]
+__all__ = ["App", "InFlight", "bind", "ROUTES"]
 
 ROUTES = ("/v1/completions", "/health", "/metrics")
 BACKLOG = 1024
@@ -30,6 +30,39 @@ LINGER_BYTES = 4 << 20
 
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode()
+
+
+class Settings(Protocol):
+    """The settings the handler reads (a :class:`~.server.ServerConfig`)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+
+
+class App(Protocol):
+    """What the handler asks of the server it answers for (an :class:`~.server.InferenceServer`)."""
+
+    @property
+    def config(self) -> Settings: ...
+    @property
+    def metrics(self) -> ServingMetrics: ...
+    def authorized(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries the token (or none is needed)."""
+        ...
+
+    def health(self, authorized: bool) -> tuple[int, dict[str, Any]]:
+        """The status and body of ``GET /health``."""
+        ...
+
+    def submit(self, body: bytes) -> Pending:
+        """Parse and queue a completion request; raises :class:`RequestError` (4xx/5xx)."""
+        ...
 
 
 class InFlight:
@@ -57,7 +90,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "torsh-serve"
     sys_version = ""  # do not advertise the Python version
     timeout = 30  # seconds a client may take to send its request
-    app: InferenceServer  # set on the subclass made by bind
+    app: App  # set on the subclass made by bind
     inflight: InFlight
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
@@ -240,7 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def bind(app: InferenceServer, inflight: InFlight) -> ThreadingHTTPServer:
+def bind(app: App, inflight: InFlight) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving) for ``app`` on its configured address.
 
     Raises:

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 from torsh_distributed.plan.memory import model_state_bytes, transient_bytes
 
 if TYPE_CHECKING:
+    from torsh_distributed.plan._strategy_config import StrategyConfig
     from torsh_distributed.plan.profile import Profile
-    from torsh_distributed.plan.strategy import StrategyConfig
 
 __all__ = ["Layout", "Link", "Estimate", "estimate", "split_params"]
 

@@ -136,3 +136,33 @@ def test_bad_factories_in_a_file(
     assert code == 2, out[-2000:] + err[-2000:]
     assert message in err, err
     assert "[rank" not in out
+
+
+ORDINARY = ["--dataset", f"{MODELS}:classification_data", "--val-dataset",
+            f"{MODELS}:classification_data"]
+PP2 = ["--nproc-per-node", "2", "--pp", "2", "--pp-split", "layers.2", "--microbatches", "2"]
+
+
+def test_pipeline_of_an_ordinary_forward_is_traced_and_trains_like_one_process(tmp_path: Path):
+    # PlainNet's forward calls every module (no None checks): the split is made by tracing
+    user = ["--model", f"{MODELS}:plain_net", *ORDINARY, *QUICK]
+    one = _summary(tmp_path, "one", user)
+    two = _summary(tmp_path, "pp", [*PP2, *user])
+    assert two["layout"] == {"dp": 1, "tp": 1, "pp": 2, "ep": 1} and two["steps"] == 4
+    for key in ("initial_loss", "final_loss", "val_loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4), key
+
+
+def test_pipeline_of_an_untraceable_ordinary_forward_is_one_line_on_every_rank():
+    # GatedNet branches on a tensor's value and calls `out` on stage 0: refused before step 1
+    # (that every rank raises it is tested in tests/distributed/test_pipeline_trace.py; here the
+    # launcher stops the peer once the first rank has failed)
+    proc = _run(["--model", f"{MODELS}:gated_net", *ORDINARY, *QUICK, *PP2], timeout=120)
+    line = ("ValueError: GatedNet: stage 0 of 2 called `out`, which lives on stage 1, and tracing "
+            "the forward with torch.export to split it failed (GuardOnDataDependentSymNode: ")
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "GatedNet: stage 0 of 2 called `out`" in ln]
+    assert errors and errors[0].startswith(line), proc.stderr[-3000:]
+    assert "models.py:" in errors[0] and "skip the modules that are None" in errors[0]
+    assert "Connection closed" not in proc.stderr and "NoneType" not in proc.stderr
+    assert "after step 1" not in proc.stdout, proc.stdout

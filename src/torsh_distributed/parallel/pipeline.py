@@ -41,7 +41,16 @@ the previous stage's output, and the last stage's output goes to ``loss_fn(outpu
     runner = build_pipeline(Net(), split_points=["layers.4"], pp_rank=rank, pp=2, group=None,
                             device=device, microbatches=4, loss_fn=F.cross_entropy)
 
-An ``nn.Sequential`` model needs nothing: its forward runs the entries a stage holds. Parameters
+An ``nn.Sequential`` model needs nothing: its forward runs the entries a stage holds.
+
+A forward written the ordinary way (``return self.head(self.layers(self.embed(x)))``) is found
+at the first :meth:`PipelineRunner.step`, before any communication, by running every stage's
+pruned copy of a ``meta`` skeleton of the model on the first micro-batch's shapes (the same on
+every rank). Such a model is split instead by tracing (torch's ``pipeline()`` at the same split
+points, through ``torch.export``; the traced stages compute with the pruned copies' parameters,
+so optimizer, gradients and checkpoints are unchanged), or, where tracing fails, every rank
+raises one ``ValueError`` line naming the module called on the wrong stage and the tracing
+failure (:mod:`~torsh_distributed.parallel._pipeline_trace`). Parameters
 or buffers held directly by the root or an ancestor of the container (not by a child module)
 belong to no stage and are rejected, as are weights tied across stages (nothing would keep the
 copies equal).
@@ -71,14 +80,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
+from torsh_distributed.parallel._pipeline_runner import Deferred, PipelineRunner
+from torsh_distributed.parallel._pipeline_trace import make_schedule, meta_skeleton
 from torsh_distributed.parallel.blocks import CONTAINERS as _CONTAINERS
 from torsh_distributed.parallel.blocks import block_entries, find_blocks
 
@@ -434,94 +438,6 @@ def stage_module(model: nn.Module, split: StageSplit, stage: int) -> nn.Module:
     return out
 
 
-def _merged(modules: Sequence[nn.Module]) -> nn.Module:
-    """One view of pruned copies of a model: the union of their children, shared, not copied."""
-    unique = list({id(m): m for m in modules}.values())
-    if len(unique) == 1:
-        return unique[0]
-    direct = [
-        n for m in unique for n, t in [*m._parameters.items(), *m._buffers.items()] if t is not None
-    ]
-    if direct:
-        raise ValueError(
-            f"stage modules hold parameters or buffers {direct} directly on the container's "
-            "path (a transform added them?): their stages' views cannot be merged"
-        )
-    view = nn.Module()
-    names = list(dict.fromkeys(n for m in unique for n in m._modules))
-    for name in names:
-        children = [m._modules[name] for m in unique if m._modules.get(name) is not None]
-        if children:
-            view._modules[name] = _merged(children)
-    return view
-
-
-class PipelineRunner:
-    """The stages this rank holds and the schedule that runs them; one :meth:`step` per batch."""
-
-    def __init__(
-        self,
-        stages: list[PipelineStage],
-        modules: list[nn.Module],
-        schedule: PipelineScheduleSingle | PipelineScheduleMulti,
-        *,
-        split: StageSplit,
-    ) -> None:
-        self.stages, self.modules, self.schedule, self.split = stages, modules, schedule, split
-        self.has_first = any(s.is_first for s in stages)
-        self.has_last = any(s.is_last for s in stages)
-
-    def parameters(self) -> list[nn.Parameter]:
-        """Parameters of this rank's stages (each once)."""
-        seen: dict[int, nn.Parameter] = {}
-        for m in self.modules:
-            for p in m.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
-    def state_module(self) -> nn.Module:
-        """One module holding this rank's stages under the unsplit model's names, for checkpoints.
-
-        With one stage per rank it is the stage module; with several (interleaved) a view whose
-        children are the union of the stages' (shared, not copied: loading into it loads the
-        stages). Its ``state_dict()`` holds this rank's subset of the whole model's keys, disjoint
-        from other pipeline ranks', so a DCP checkpoint written by all ranks is the whole model.
-        The view is for state only: it has no ``forward``.
-        """
-        return _merged(self.modules)
-
-    def _run(self, run: Callable[..., object], x: Any, y: Any) -> torch.Tensor | None:
-        losses: list[torch.Tensor] = []
-        if self.has_first:
-            run(x, target=y if self.has_last else None, losses=losses)
-        elif self.has_last:
-            run(target=y, losses=losses)
-        else:
-            run()
-        if not self.has_last:
-            return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
-
-    def step(self, x: Any, y: Any) -> torch.Tensor | None:
-        """Forward and backward of one batch (gradients accumulate into the stages' ``.grad``).
-
-        Returns:
-            The batch's mean loss on the rank holding the last stage, else ``None``.
-        """
-        return self._run(self.schedule.step, x, y)
-
-    @torch.no_grad()
-    def evaluate(self, x: Any, y: Any) -> torch.Tensor | None:
-        """Forward only; the mean loss on the last stage's rank, else ``None``."""
-        for m in self.modules:
-            m.eval()
-        try:
-            return self._run(self.schedule.eval, x, y)
-        finally:
-            for m in self.modules:
-                m.train()
-
-
 def build_pipeline(
     model: nn.Module,
     *,
@@ -539,9 +455,11 @@ def build_pipeline(
     """Cut ``model`` into stages at ``split_points``, build this rank's, and their schedule.
 
     Args:
-        model: The whole model, identical on every rank, written to the forward contract of the
-            module docstring. It is not changed; this rank's stages are pruned copies (drop your
-            reference to free the rest; on ``meta`` a copy costs nothing).
+        model: The whole model, identical on every rank. Its forward skips ``None`` modules (the
+            contract of the module docstring: split by module), or not (split by tracing at the
+            first step, :attr:`PipelineRunner.traced`). It is not changed; this rank's stages are
+            pruned copies (drop your reference to free the rest; on ``meta`` a copy costs
+            nothing), plus a ``meta`` skeleton kept until the first step.
         split_points: The first entry of each stage after the first (``pp * virtual_stages - 1``
             names in one container: ``["layers.4"]``), e.g. to lighten the first or last stage,
             which also run the embeddings or the head; ``None`` = an even split of the container
@@ -565,7 +483,8 @@ def build_pipeline(
 
     Raises:
         ValueError: see :func:`check_pipeline` and :func:`check_split_points` (the batch size is
-            checked at :meth:`PipelineRunner.step` by torch).
+            checked at :meth:`PipelineRunner.step` by torch; a forward that can be neither split
+            by module nor traced, at the first :meth:`PipelineRunner.step`, on every rank).
     """
     num_stages = pp * virtual_stages
     check_pipeline(
@@ -578,18 +497,21 @@ def build_pipeline(
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is not in [0, pp={pp})")
     split = check_split_points(model, split_points, num_stages=num_stages)
+    ids = stage_ids(pp_rank, pp=pp, virtual_stages=virtual_stages)
+    deferred = None
+    if split.container is not None and type(model) is not nn.Sequential:
+        deferred = Deferred(
+            skeleton=meta_skeleton(model), name=type(model).__name__, schedule=schedule,
+            microbatches=microbatches, loss_fn=loss_fn, device=device, group=group, stage_ids=ids,
+            prune=lambda m, s: stage_module(m, split, s),
+        )
     modules: list[nn.Module] = []
     stages: list[PipelineStage] = []
-    for sid in stage_ids(pp_rank, pp=pp, virtual_stages=virtual_stages):
+    for sid in ids:
         module = stage_module(model, split, sid)
         if transform is not None:
             module = transform(module)
         modules.append(module)
         stages.append(PipelineStage(module, sid, num_stages, device, group=group))
-    runner: PipelineScheduleSingle | PipelineScheduleMulti
-    if schedule == "interleaved":
-        runner = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn)
-    else:
-        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        runner = cls(stages[0], microbatches, loss_fn=loss_fn)
-    return PipelineRunner(stages, modules, runner, split=split)
+    runner = make_schedule(schedule, stages, microbatches, loss_fn)
+    return PipelineRunner(stages, modules, runner, split=split, deferred=deferred)

@@ -6,6 +6,9 @@
   whose attention projections are separate ``q``/``k``/``v``/``o`` linears, written to the
   pipeline contract (its forward skips modules a stage does not hold) and to the tensor-parallel
   one (it reshapes by ``-1`` heads, so a rank with ``n_head / tp`` heads works);
+* :class:`PlainNet` and :class:`GatedNet` — classifiers whose forward is written the ordinary way
+  (``return self.out(self.layers(...))``: it does NOT skip modules a pipeline stage lacks); a
+  pipeline split traces ``PlainNet`` and refuses ``GatedNet`` (data-dependent control flow);
 * :class:`SkewedMoENet` — a classifier around one :class:`~torsh_distributed.parallel.moe.MoE`
   layer whose selection bias sends every token to the first half of the experts;
 * deterministic synthetic datasets of ``(input, target)`` pairs.
@@ -27,6 +30,8 @@ from torsh_distributed.parallel.moe import MoE, MoEConfig
 from torsh_distributed.parallel.tp_plan import TPPlan
 
 __all__ = [
+    "GatedNet",
+    "PlainNet",
     "SkewedMoENet",
     "TinyLM",
     "PairDataset",
@@ -37,6 +42,8 @@ __all__ = [
     "image_data",
     "token_data",
     "tiny_lm_plan",
+    "plain_net",
+    "gated_net",
 ]
 
 
@@ -193,6 +200,49 @@ def tiny_lm_plan() -> TPPlan:
             "layers.*.fc2": "rowwise",
         }
     )
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class PlainNet(nn.Module):
+    """``stem -> relu -> layers (residual blocks) -> + stem's output -> out``, with an ordinary
+    forward that calls every module (no ``None`` checks) and a skip connection around ``layers``
+    (a pipeline stage ending inside ``layers`` must also pass the stem's output on)."""
+
+    def __init__(self, d_in: int = 16, width: int = 32, classes: int = 4, n_layer: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Linear(d_in, width)
+        self.layers = nn.Sequential(*(_Residual(width) for _ in range(n_layer)))
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return self.out(self.layers(h) + h)
+
+
+class GatedNet(PlainNet):
+    """:class:`PlainNet` whose forward branches in Python on a tensor's value (``torch.export``
+    cannot trace it) and does not skip ``None`` modules: a pipeline split must refuse it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        h = self.layers(h) if float(h.mean()) > 1.0 else self.layers(2 * h)
+        return self.out(h)
+
+
+def plain_net() -> PlainNet:
+    return PlainNet()
+
+
+def gated_net() -> GatedNet:
+    return GatedNet()
 
 
 class SkewedMoENet(nn.Module):

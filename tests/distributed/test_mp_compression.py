@@ -43,7 +43,7 @@ def _replica_gaps(method: str, parallel: dict) -> list[float]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from torsh_distributed.engine import engine as _trainer_mp
+    from torsh_distributed.engine import _run as _trainer_mp
 
     gaps: list[float] = []
     clip = _trainer_mp.clip_grad_norm_

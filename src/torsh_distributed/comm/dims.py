@@ -11,10 +11,14 @@ hosts, such as network namespaces, count as nodes::
 
     dims = ParallelDims(dp=-1, tp=2).build()
     dims.group("tp"), dims.intra_group, dims.inter_group, dims.num_nodes
-    dims.destroy()  # the groups it created; the process group itself keeps running
 
-A run that builds its dims destroys them when it ends (the engine does), so that a process
-calling ``fit()`` again and again does not accumulate groups.
+Groups live as long as the process group: building the same layout again (the same degrees,
+nodes and device type on the same running process group) reuses the mesh and groups of the first
+build, so a process calling ``fit()`` again and again does not accumulate groups. They are never
+destroyed while the process group runs: torch's DTensor caches sharding decisions keyed by meshes
+that compare equal by layout alone, so a mesh rebuilt after its groups were destroyed would send
+tensor-parallel collectives to the destroyed groups ("Could not resolve the process group").
+Shutting the process group down destroys them all.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ AXES = ("pp", "dp", "ep", "tp")
 
 _CURRENT: ParallelDims | None = None
 _NAMES: dict[int, str] = {}
+_BUILT: dict[tuple[object, ...], tuple[dist.ProcessGroup, ParallelDims]] = {}
+"""Layout key -> (the default group it was built on, the first dims built with that layout)."""
 
 
 def current_dims() -> ParallelDims | None:
@@ -99,7 +105,6 @@ class ParallelDims:
     _subgroups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False)
     _data: dist.ProcessGroup | None = field(default=None, init=False)
     _data_mesh: DeviceMesh | None = field(default=None, init=False)
-    _owned: list[dist.ProcessGroup] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if not self.world_size:
@@ -147,7 +152,11 @@ class ParallelDims:
 
     # -- building (collective) -------------------------------------------------------------
     def build(self) -> ParallelDims:
-        """Create the mesh and hierarchical groups; every rank must call it. Returns ``self``."""
+        """Create the mesh and hierarchical groups; every rank must call it. Returns ``self``.
+
+        A layout built before on the running process group (same degrees, nodes and device type)
+        is reused: same mesh, same groups (see the module's docstring). Building twice is a no-op.
+        """
         global _CURRENT
         if not dist.is_initialized():
             raise ValueError("ParallelDims.build() needs a running process group (call init())")
@@ -156,21 +165,32 @@ class ParallelDims:
                 f"world_size {self.world_size} does not match the process group's {dist.get_world_size()}"
             )
         if self.mesh is not None:
-            raise ValueError("ParallelDims.build() was already called; call destroy() first")
-        self.mesh = init_device_mesh(
-            self.device_type, tuple(self.degrees.values()), mesh_dim_names=AXES
-        )
-        for axis in AXES:
-            group = self.mesh.get_group(axis)
-            _NAMES[id(group)] = axis
-            # an axis spanning the world may reuse the default group, which is not ours
-            if group != dist.group.WORLD and all(group is not g for g in self._owned):
-                self._owned.append(group)
-        self._build_data_groups()
+            _CURRENT = self
+            return self
         self._nodes = self._discover_nodes()
-        self._build_hierarchy()
+        world = dist.distributed_c10d._get_default_group()
+        for stale in [k for k, (w, _) in _BUILT.items() if w is not world]:
+            del _BUILT[stale]  # built on a process group that has been shut down
+        key = (self.device_type, tuple(self.degrees.values()), self._nodes)
+        if key in _BUILT:
+            self._share(_BUILT[key][1])
+        else:
+            self.mesh = init_device_mesh(
+                self.device_type, tuple(self.degrees.values()), mesh_dim_names=AXES
+            )
+            for axis in AXES:
+                _NAMES[id(self.mesh.get_group(axis))] = axis
+            self._build_data_groups()
+            self._build_hierarchy()
+            _BUILT[key] = (world, self)
         _CURRENT = self
         return self
+
+    def _share(self, first: ParallelDims) -> None:
+        """Take the mesh and groups of ``first``, built earlier with the same layout."""
+        self.mesh, self._data, self._data_mesh = first.mesh, first._data, first._data_mesh
+        self._intra, self._inter = first._intra, first._inter
+        self._subgroups = first._subgroups  # shared: a subgroup made by either is made once
 
     def _build_data_groups(self) -> None:
         """The ``dp x ep`` groups: expert parallelism borrows data-parallel ranks (each ep rank
@@ -268,27 +288,7 @@ class ParallelDims:
             self._subgroups[key] = group
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 _NAMES[id(group)] = name or "ranks" + ",".join(map(str, key))
-                self._owned.append(group)
         return group
-
-    def destroy(self) -> None:
-        """Destroy every process group :meth:`build` and :meth:`subgroup` created; every rank
-        calls it, after the last collective on them. The default group keeps running; the dims
-        can be built again. Does nothing when not built or when the process group is gone."""
-        global _CURRENT
-        owned, self._owned = self._owned, []
-        if dist.is_initialized():
-            live = dist.distributed_c10d._world.pg_map
-            for group in reversed(owned):  # the reverse of creation, the same on every rank
-                if group in live:
-                    dist.destroy_process_group(group)
-        for group in owned:
-            _NAMES.pop(id(group), None)
-        self.mesh, self._data_mesh, self._data = None, None, None
-        self._intra, self._inter, self._nodes = None, None, ()
-        self._subgroups.clear()
-        if _CURRENT is self:
-            _CURRENT = None
 
     # -- queries -----------------------------------------------------------------------------
     def group(self, axis: str) -> dist.ProcessGroup:

@@ -193,9 +193,7 @@ class Run:
         cfg, par, engine = self.cfg, self.cfg.parallel, self.engine
         model = S.instantiate(engine.model_source, seed=cfg.seed, meta=par.meta_init)
         S.check_model(model, cfg, self.plan)
-        self.dims.build()
-        # the run's groups go when it ends: repeated fit() in one process does not pile them up
-        self._stack.callback(self.dims.destroy)
+        self.dims.build()  # a layout built before in this process reuses its groups
         self.loss_fn = engine.loss_fn
         # the loss runs under the forward's autocast
         if par.param_dtype != "fp32" and par.zero_stage <= 1:

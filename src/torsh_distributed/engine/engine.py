@@ -185,8 +185,8 @@ class Engine:
 
         Uses the running process group, or starts one from the environment (a world of one when
         not launched) and shuts it down at the end. The process groups of the run's layout
-        (``parallel.*`` axes) are destroyed when it returns, so a model passed in as a module and
-        sharded by the run (ZeRO-2/3, tp, pp) is not for collectives afterwards: its checkpoints are.
+        (``parallel.*`` axes) stay for the process group's lifetime and are reused by a later
+        ``fit()`` with the same layout, so repeated calls do not accumulate groups.
 
         Raises:
             ValueError: an invalid setting (the same on every rank, before any collective).

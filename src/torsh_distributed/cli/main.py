@@ -21,6 +21,7 @@ _COMMANDS = {
     "horovodrun": "torsh_distributed.cli.horovodrun",
     "serve": "torsh_distributed.cli.serve",
     "slurm": "torsh_distributed.cli.slurm",
+    "energy": "torsh_distributed.cli.energy",
 }
 """Subcommand -> the module whose ``register(subparsers)`` adds it, in ``--help`` order."""
 

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
+from torsh_distributed.energy.tracker import EnergyTracker
 from torsh_distributed.engine import _setup as S
 from torsh_distributed.engine._checkpoint import RunCheckpoint, computation_settings
 from torsh_distributed.engine._comm import CommSetup, node_assignment
@@ -125,6 +126,7 @@ class Run:
     progress: Progress
     write: Callable[[str], None]
     monitor: StepMonitor
+    energy: EnergyTracker
 
     def __init__(self, engine: EngineInputs, runtime: world.Runtime, *, started: float) -> None:
         self.engine, self.runtime, self.started = engine, runtime, started
@@ -333,6 +335,12 @@ class Run:
         )
         self._stack.callback(self.monitor.close)
         self._stack.callback(self.progress.close)
+        self.energy = EnergyTracker(  # reads a counter: losses are the same with it off
+            cfg.energy, cfg.carbon, rank=runtime.rank, device=self.device,
+            samples_per_step=per_dp if counts else 0,
+            tokens_per_step=per_dp * self.engine.tokens_per_sample if counts else 0,
+        )
+        self.energy.start()
 
     # --- the step --------------------------------------------------------------------------
 
@@ -363,6 +371,7 @@ class Run:
             self.built.holder, optimizer, main=self.runtime.is_main, write=self.write
         )
         global_loss = self._record(step, loss, lr=lr, grad_norm=grad_norm)
+        self.energy.step_end()  # one clock comparison; a counter read every --energy.interval s
         self.loop_time += time.perf_counter() - t0
         if self.first_step_at != self.first_step_at:  # NaN: this is the first step of this process
             self.first_step_at = time.time()
@@ -515,6 +524,7 @@ class Run:
         cfg, engine, dims, losses = self.cfg, self.engine, self.dims, self.losses
         self.progress.close()
         monitor_report = self.monitor.finish()  # last aggregation (collective), bottleneck report
+        energy, carbon = self.energy.finish()  # every rank's figures (collective)
         self.ckpt.finish(cfg.max_steps, losses)  # final save, wait for async saves
         self.comm.finish(main=self.runtime.is_main)  # merged Chrome trace on rank 0
         val_loss = self.evaluate()
@@ -549,6 +559,8 @@ class Run:
             checkpoint=self.ckpt.summary(),
             precision=self.scaler.summary(),
             moe=self.moe.summary(),
+            energy=energy,
+            carbon=carbon,
         )
         if self.runtime.is_main:  # the table, --summary-json, --plot
             report_result(

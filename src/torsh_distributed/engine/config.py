@@ -11,6 +11,7 @@ from torsh_distributed._checks import positive as _positive
 from torsh_distributed.checkpoint.config import CheckpointConfig
 from torsh_distributed.comm.config import CommConfig
 from torsh_distributed.compression.config import CompressionConfig
+from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
 from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
@@ -100,6 +101,10 @@ class EngineConfig:
     """Gradient compression (--compression SPEC): DDP's all-reduce, or tp/pp runs' dp exchange."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """Observability: --metrics-port, --dashboard-port, --alerts FILE, --report-json FILE."""
+    energy: EnergyConfig = field(default_factory=EnergyConfig)
+    """Energy meter of every rank: --energy.meter auto|rapl|nvml|estimate|off (docs/energy.md)."""
+    carbon: CarbonConfig = field(default_factory=CarbonConfig)
+    """Grid carbon intensity: --carbon.intensity G, --carbon.series FILE or --carbon.region CODE."""
     max_steps: int = 200
     """Optimizer steps to run."""
     batch_size: int = 32

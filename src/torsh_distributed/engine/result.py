@@ -62,6 +62,13 @@ class TrainResult:
     """Mixed precision: dtypes, and with fp16 the final loss scale and the skipped steps."""
     moe: dict = field(default_factory=dict)
     """MoE layers: tokens per expert over the run (all ranks), dropped share, load CV; {} without."""
+    energy: dict = field(default_factory=dict)
+    """The training steps' energy: ``joules``, ``joules_per_step`` / ``_per_sample`` /
+    ``_per_token``, ``average_power_w``, ``source`` (``measured`` or ``estimated``), ``meter``
+    and why, and every rank's figures (``ranks``); {} with ``--energy.meter off``."""
+    carbon: dict = field(default_factory=dict)
+    """Emissions of that energy: ``grams`` CO2e, ``intensity_source`` (``constant``, ``series``,
+    ``region`` or ``default``), the mean intensity, per rank; {} with ``--energy.meter off``."""
 
     def summary(self) -> dict[str, Any]:
         """The summary fields (everything except the per-step and per-evaluation losses)."""
@@ -99,7 +106,17 @@ def print_summary(result: TrainResult) -> None:
             for key in ("restarts", "lost_steps", "resumed_step")
             if checkpoint.get(key) is not None
         }
+    for name, keys in _ENERGY_ROWS.items():  # a few rows; the JSON summary keeps the rest
+        block = table.pop(name, None)
+        if block:
+            table[name] = {k: block[k] for k in keys if block.get(k) is not None}
     print(format_summary(for_table(table)), flush=True)
+
+
+_ENERGY_ROWS = {
+    "energy": ("joules", "joules_per_step", "joules_per_token", "average_power_w", "source", "meter"),
+    "carbon": ("grams", "intensity_g_per_kwh", "intensity_source"),
+}
 
 
 def report_result(result: TrainResult, *, summary_json: str = "", plot: str = "", title: str = "") -> None:

@@ -1,0 +1,40 @@
+"""Energy and carbon of a training run (see docs/energy.md).
+
+Meters behind one :class:`EnergyMeter` protocol (RAPL through powercap, NVML, and an estimate
+from CPU time where neither is readable), an :class:`EnergyTracker` the loop calls once per step,
+and carbon from a constant, a region's annual average or an intensity time series.
+"""
+
+from torsh_distributed.energy.auto import open_meter
+from torsh_distributed.energy.carbon import (
+    ConstantIntensity,
+    IntensitySeries,
+    grams_of_trace,
+    load_series,
+    region_intensity,
+)
+from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
+from torsh_distributed.energy.estimate import CpuTimeEstimate
+from torsh_distributed.energy.meters import METERS, EnergyMeter, MeterUnavailableError
+from torsh_distributed.energy.nvml import NvmlMeter
+from torsh_distributed.energy.rapl import RaplMeter
+from torsh_distributed.energy.tracker import EnergyTracker, combine
+
+__all__ = [
+    "METERS",
+    "CarbonConfig",
+    "ConstantIntensity",
+    "CpuTimeEstimate",
+    "EnergyConfig",
+    "EnergyMeter",
+    "EnergyTracker",
+    "IntensitySeries",
+    "MeterUnavailableError",
+    "NvmlMeter",
+    "RaplMeter",
+    "combine",
+    "grams_of_trace",
+    "load_series",
+    "open_meter",
+    "region_intensity",
+]

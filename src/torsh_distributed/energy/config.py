@@ -1,0 +1,80 @@
+"""The ``energy`` and ``carbon`` config sections (torch-free)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torsh_distributed.energy.estimate import DEFAULT_WATTS_PER_CORE
+from torsh_distributed.energy.meters import METERS
+
+if TYPE_CHECKING:
+    from torsh_distributed.energy.carbon import Intensity
+
+__all__ = ["CarbonConfig", "EnergyConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class EnergyConfig:
+    """Energy metering of every rank (on by default: it only reads a counter)."""
+
+    meter: str = field(default="auto", metadata={"flags": []})
+    """``auto`` (NVML on a CUDA rank, else RAPL when readable, else the estimate), ``rapl``,
+    ``nvml``, ``estimate`` (CPU time x --energy.watts-per-core, labelled estimated) or ``off``.
+    A requested meter this host lacks fails before training with the reason."""
+    interval: float = field(default=1.0, metadata={"flags": []})
+    """Seconds between two readings of the counter (checked once per step): the resolution of
+    the energy trace the carbon integral uses. RAPL needs one reading per wrap period (minutes)."""
+    watts_per_core: float = field(default=DEFAULT_WATTS_PER_CORE, metadata={"flags": []})
+    """The estimate's power of one busy core (hardware thread), in watts; default 4 W,
+    CodeCarbon's fallback per thread (docs/energy.md)."""
+    powercap_root: str = field(default="/sys/class/powercap", metadata={"flags": []})
+    """Where RAPL's powercap tree is (another path when sysfs is mounted elsewhere)."""
+
+    def __post_init__(self) -> None:
+        if self.meter not in METERS:
+            raise ValueError(f"energy.meter must be one of {', '.join(METERS)}, got {self.meter!r}")
+        if not (math.isfinite(self.interval) and self.interval > 0):
+            raise ValueError(f"energy.interval must be > 0 seconds, got {self.interval}")
+        if not (math.isfinite(self.watts_per_core) and self.watts_per_core > 0):
+            raise ValueError(f"energy.watts_per_core must be > 0 W, got {self.watts_per_core}")
+
+    @property
+    def active(self) -> bool:
+        return self.meter != "off"
+
+
+@dataclass(kw_only=True, slots=True)
+class CarbonConfig:
+    """Grid carbon intensity for the run's emissions (grams CO2e = kWh x gCO2e/kWh).
+
+    At most one of ``intensity``, ``series`` and ``region``; with none, the world average
+    (475 g/kWh, labelled ``default``)."""
+
+    intensity: float = field(default=0.0, metadata={"flags": []})
+    """A constant intensity in gCO2e/kWh (0 = not given)."""
+    series: str = field(default="", metadata={"flags": []})
+    """A time series of the intensity: CSV (timestamp, gCO2/kWh), Electricity Maps history JSON
+    or the UK carbon-intensity API's JSON; checked before training (docs/energy.md)."""
+    region: str = field(default="", metadata={"flags": []})
+    """A country's annual average from the shipped table (ISO alpha-3: DEU, FRA, USA, ...)."""
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.intensity) or self.intensity < 0:
+            raise ValueError(f"carbon.intensity must be >= 0 gCO2/kWh (0 = not given), got {self.intensity}")
+        given = [n for n, v in (("intensity", self.intensity), ("series", self.series),
+                                ("region", self.region)) if v]
+        if len(given) > 1:
+            raise ValueError(f"give one of --carbon.intensity, --carbon.series, --carbon.region, got {given}")
+        self.resolve()  # a bad series or region fails here, before any rank starts
+
+    def resolve(self) -> Intensity:
+        """The intensity these settings name (parses the series file)."""
+        from torsh_distributed.energy.carbon import ConstantIntensity, load_series, region_intensity
+
+        if self.intensity:
+            return ConstantIntensity(self.intensity, detail=f"{self.intensity:g} g/kWh (--carbon.intensity)")
+        if self.series:
+            return load_series(self.series)
+        return region_intensity(self.region)

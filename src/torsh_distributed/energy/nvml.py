@@ -1,0 +1,70 @@
+"""GPU energy from NVML's total-energy counter (``nvidia-ml-py``, imported lazily).
+
+``nvmlDeviceGetTotalEnergyConsumption`` gives millijoules since the driver was loaded (Volta and
+newer); the meter subtracts its first reading. Install with ``pip install
+'torsh-distributed[energy]'``; without the package, a driver or a GPU the meter is unavailable and
+says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torsh_distributed.energy.meters import MeterUnavailableError
+
+__all__ = ["NvmlMeter"]
+
+
+def _load_pynvml() -> Any:
+    try:
+        import pynvml
+    except ImportError:
+        raise MeterUnavailableError(
+            "nvidia-ml-py is not installed (pip install 'torsh-distributed[energy]')"
+        ) from None
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        raise MeterUnavailableError(f"NVML cannot start: {exc}") from None
+    return pynvml
+
+
+class NvmlMeter:
+    """Energy of one GPU since the meter opened.
+
+    Args:
+        index: The CUDA device index (NVML's index of the same device when
+            ``CUDA_VISIBLE_DEVICES`` is unset; the meter names the device it reads).
+        nvml: The ``pynvml`` module, or in tests an object with the same three functions
+            (``nvmlInit``, ``nvmlDeviceGetHandleByIndex``, ``nvmlDeviceGetTotalEnergyConsumption``);
+            ``None`` imports ``pynvml``.
+    """
+
+    name = "nvml"
+    source = "measured"
+    scope = "gpu"
+
+    def __init__(self, index: int = 0, *, nvml: Any = None) -> None:
+        if nvml is None:
+            nvml = _load_pynvml()
+        self._nvml = nvml
+        try:
+            self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            self._start_mj = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+        except Exception as exc:  # NVMLError_NotSupported on pre-Volta GPUs, invalid index
+            raise MeterUnavailableError(f"NVML energy counter of GPU {index}: {exc}") from None
+        uuid = ""
+        if hasattr(nvml, "nvmlDeviceGetUUID"):
+            try:
+                uuid = str(nvml.nvmlDeviceGetUUID(self._handle))
+            except Exception:
+                uuid = ""
+        import socket
+
+        self.scope_key = uuid or f"{socket.gethostname()}:gpu{index}"
+        self.detail = f"NVML total energy of GPU {index}" + (f" ({uuid})" if uuid else "")
+
+    def read(self) -> float:
+        """Joules of this GPU since the meter opened (the counter is 64-bit: no wrap in practice)."""
+        now = int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+        return (now - self._start_mj) * 1e-3

@@ -1,0 +1,218 @@
+"""Per-rank energy readings during a run and the job's energy and carbon at its end.
+
+The loop calls :meth:`EnergyTracker.step_end` after every step: it counts the step and, when
+``--energy.interval`` seconds have passed, reads the meter once (one clock comparison otherwise).
+:meth:`EnergyTracker.finish` reads it a last time and gathers every rank's figures (collective):
+
+* per rank: joules, seconds, steps, average watts, grams, the meter, its source and scope;
+* per job: the sum over distinct counters (a host's RAPL counted once, not once per rank),
+  divided by steps, samples and tokens; grams likewise.
+
+Measured and estimated figures are never added: with ranks of both kinds the job's totals are the
+measured ranks' and the estimated ranks are listed under ``excluded``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torsh_distributed.energy.auto import open_meter
+from torsh_distributed.energy.carbon import Intensity, grams_of_trace
+from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
+from torsh_distributed.energy.meters import EnergyMeter, MeterUnavailableError
+
+__all__ = ["EnergyTracker", "all_gather_rows", "combine"]
+
+_TRACE_POINTS = 120
+"""Readings of each rank kept in the summary for plots (evenly thinned)."""
+
+
+class EnergyTracker:
+    """One rank's energy meter over a run (see the module doc).
+
+    Args:
+        energy: The ``energy`` section (``meter off``: every method returns at once, figures {}).
+        carbon: The ``carbon`` section (the intensity is resolved once, here).
+        rank: This rank.
+        device: The device this rank computes on (``torch.device`` or anything with ``type``
+            and ``index``); a CUDA device makes ``auto`` try NVML first, on that device.
+        samples_per_step: Samples this rank counts per step (0: per-sample figures left out).
+        tokens_per_step: Tokens this rank counts per step (0: per-token figures left out).
+        meter: A meter to use instead of opening one (benchmarks, tests).
+        clock: Wall clock of the trace (unix seconds, the series' time line).
+
+    Raises:
+        ValueError: an explicitly requested meter cannot be read on this rank (the reason).
+    """
+
+    def __init__(
+        self,
+        energy: EnergyConfig,
+        carbon: CarbonConfig,
+        *,
+        rank: int = 0,
+        device: Any = None,
+        samples_per_step: int = 0,
+        tokens_per_step: int = 0,
+        meter: EnergyMeter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.on = energy.active
+        self.rank = rank
+        self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
+        self.steps = 0
+        self._clock = clock
+        self._interval = energy.interval
+        self.times: list[float] = []
+        self.joules: list[float] = []
+        if not self.on:
+            return
+        self.intensity: Intensity = carbon.resolve()
+        if meter is None:
+            try:
+                meter, self.why = open_meter(
+                    energy.meter,
+                    device_type=getattr(device, "type", "cpu"),
+                    device_index=getattr(device, "index", None),
+                    powercap_root=energy.powercap_root,
+                    watts_per_core=energy.watts_per_core,
+                )
+            except MeterUnavailableError as exc:
+                raise ValueError(f"energy.meter {energy.meter}: unavailable on rank {rank}: {exc}") from None
+        else:
+            self.why = "given"
+        self.meter = meter
+        self._next = -math.inf
+
+    def start(self) -> None:
+        """The first reading (call just before the first step)."""
+        if self.on:
+            self._sample(self._clock())
+
+    def _sample(self, now: float) -> None:
+        self.times.append(now)
+        self.joules.append(self.meter.read())
+        self._next = time.monotonic() + self._interval
+
+    def step_end(self) -> None:
+        """Count a step; read the meter when the interval has passed (the hot path)."""
+        if not self.on:
+            return
+        self.steps += 1
+        if time.monotonic() >= self._next:
+            self._sample(self._clock())
+
+    def row(self) -> dict[str, Any]:
+        """This rank's figures, after a last reading."""
+        if not self.on or not self.times:
+            return {}
+        if self.steps and self._clock() > self.times[-1]:
+            self._sample(self._clock())
+        joules = self.joules[-1] - self.joules[0]
+        seconds = self.times[-1] - self.times[0]
+        grams, outside = grams_of_trace(self.times, self.joules, self.intensity)
+        keep = max(1, math.ceil(len(self.times) / _TRACE_POINTS))
+        idx = list(range(0, len(self.times), keep))
+        if idx[-1] != len(self.times) - 1:
+            idx.append(len(self.times) - 1)
+        m = self.meter
+        return {
+            "rank": self.rank,
+            "meter": m.name,
+            "source": m.source,
+            "scope": m.scope,
+            "scope_key": m.scope_key if m.scope != "process" else f"rank{self.rank}",
+            "detail": m.detail,
+            "why": self.why,
+            "joules": joules,
+            "seconds": seconds,
+            "average_power_w": joules / seconds if seconds > 0 else 0.0,
+            "steps": self.steps,
+            "samples": self.samples_per_step * self.steps,
+            "tokens": self.tokens_per_step * self.steps,
+            "grams": grams,
+            "seconds_outside_series": outside,
+            "trace": [[self.times[i] - self.times[0], self.joules[i] - self.joules[0]] for i in idx],
+            "trace_start_unix_s": self.times[0],
+        }
+
+    def finish(
+        self, gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The job's ``energy`` and ``carbon`` blocks (collective in a multi-rank process group:
+        every rank calls it). ``gather`` maps this rank's row to every rank's, in rank order;
+        default: :func:`all_gather_rows`."""
+        if not self.on:
+            return {}, {}
+        rows = (gather or all_gather_rows)(self.row())
+        return combine([r for r in rows if r], self.intensity)
+
+
+def all_gather_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``row`` on the default process group (``[row]`` without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [row]
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def combine(rows: list[dict[str, Any]], intensity: Intensity) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job's blocks from every rank's row (see the module doc)."""
+    if not rows:
+        return {}, {}
+    measured = [r for r in rows if r["source"] == "measured"]
+    counted = measured or rows
+    excluded = [r["rank"] for r in rows if r not in counted]
+    seen: dict[str, dict[str, Any]] = {}
+    for r in counted:  # one figure per counter: a host's RAPL read by 4 ranks counts once
+        key = f"{r['scope']}:{r['scope_key']}"
+        if key not in seen or r["joules"] > seen[key]["joules"]:
+            seen[key] = r
+    joules = sum(r["joules"] for r in seen.values())
+    grams = sum(r["grams"] for r in seen.values())
+    steps = max(r["steps"] for r in rows)
+    samples = sum(r["samples"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = max(r["seconds"] for r in rows)
+    meters = sorted({r["meter"] for r in counted})
+    energy: dict[str, Any] = {
+        "joules": joules,
+        "joules_per_step": joules / steps if steps else 0.0,
+        "joules_per_sample": joules / samples if samples else None,
+        "joules_per_token": joules / tokens if tokens else None,
+        "average_power_w": joules / seconds if seconds > 0 else 0.0,
+        "source": counted[0]["source"],
+        "meter": meters[0] if len(meters) == 1 else "+".join(meters),
+        "why": counted[0]["why"],
+        "detail": counted[0]["detail"],
+        "counters": len(seen),
+        "steps": steps,
+        "seconds": seconds,
+        "ranks": [{k: v for k, v in r.items() if k not in ("why", "detail")} for r in rows],
+    }
+    if not tokens:
+        energy.pop("joules_per_token")
+    if not samples:
+        energy.pop("joules_per_sample")
+    if excluded:
+        energy["excluded"] = {
+            "ranks": excluded,
+            "estimated_joules": sum(r["joules"] for r in rows if r["rank"] in excluded),
+            "why": "estimated figures are never added to measured ones",
+        }
+    kwh = joules / 3.6e6
+    carbon: dict[str, Any] = {
+        "grams": grams,
+        "intensity_source": intensity.source,
+        "intensity_detail": intensity.detail,
+        "intensity_g_per_kwh": grams / kwh if kwh > 0 else intensity.at(time.time()),
+        "seconds_outside_series": max(r["seconds_outside_series"] for r in counted),
+        "ranks": [{"rank": r["rank"], "grams": r["grams"]} for r in rows],
+    }
+    return energy, carbon

@@ -1,0 +1,131 @@
+"""The tracker's per-rank figures and the job's totals (one count per counter, measured never
+added to estimated), the config sections, `torsh-dist energy report`, and the package's layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torsh_distributed.energy import (
+    CarbonConfig,
+    ConstantIntensity,
+    CpuTimeEstimate,
+    EnergyConfig,
+    EnergyTracker,
+    combine,
+)
+
+
+class _Clock:
+    """A settable clock (the tracker's wall clock and the estimate's CPU seconds)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_tracker_reads_once_per_interval_and_reports_per_step_and_token():
+    wall, cpu = _Clock(1000.0), _Clock(0.0)
+    meter = CpuTimeEstimate(watts_per_core=10.0, cpu_seconds=cpu)
+    tracker = EnergyTracker(EnergyConfig(interval=3600.0), CarbonConfig(intensity=200.0), rank=0,
+                            samples_per_step=4, tokens_per_step=256, meter=meter, clock=wall)
+    tracker.start()
+    for _ in range(5):
+        wall.t += 1.0
+        cpu.t += 0.5  # 5 J per step
+        tracker.step_end()
+    assert len(tracker.times) == 1, "an interval of an hour: no reading during the steps"
+    energy, carbon = tracker.finish(gather=lambda row: [row])
+    assert energy["joules"] == pytest.approx(25.0) and energy["steps"] == 5
+    assert energy["joules_per_step"] == pytest.approx(5.0)
+    assert energy["joules_per_sample"] == pytest.approx(25.0 / 20)
+    assert energy["joules_per_token"] == pytest.approx(25.0 / 1280)
+    assert energy["average_power_w"] == pytest.approx(5.0)
+    assert energy["source"] == "estimated" and energy["meter"] == "estimate"
+    assert carbon["grams"] == pytest.approx(25.0 / 3.6e6 * 200) and carbon["intensity_source"] == "constant"
+    assert energy["ranks"][0]["trace"] == [[0.0, 0.0], [5.0, 25.0]]
+
+
+def test_tracker_samples_every_step_with_a_short_interval_and_is_off_when_asked():
+    wall, cpu = _Clock(0.0), _Clock(0.0)
+    tracker = EnergyTracker(EnergyConfig(interval=1e-9), CarbonConfig(intensity=1.0),
+                            meter=CpuTimeEstimate(cpu_seconds=cpu), clock=wall)
+    tracker.start()
+    for _ in range(3):
+        wall.t += 1.0
+        cpu.t += 1.0
+        tracker.step_end()
+    assert len(tracker.times) == 4
+    off = EnergyTracker(EnergyConfig(meter="off"), CarbonConfig())
+    off.start()
+    off.step_end()
+    assert off.finish() == ({}, {}) and off.steps == 0
+
+
+def _row(rank: int, *, source: str = "measured", scope: str = "host", key: str = "nodeA",
+         joules: float = 100.0, tokens: int = 0) -> dict:
+    return {"rank": rank, "meter": "rapl" if scope == "host" else "estimate", "source": source,
+            "scope": scope, "scope_key": key, "detail": "", "why": "", "joules": joules,
+            "seconds": 10.0, "average_power_w": joules / 10, "steps": 4, "samples": 8,
+            "tokens": tokens, "grams": joules / 3.6e6 * 100, "seconds_outside_series": 0.0,
+            "trace": [[0, 0], [10, joules]]}
+
+
+def test_a_host_counter_counts_once_and_estimates_are_never_added_to_measurements():
+    intensity = ConstantIntensity(100.0)
+    energy, carbon = combine([_row(0), _row(1), _row(2, key="nodeB", joules=50.0)], intensity)
+    assert energy["joules"] == pytest.approx(150.0) and energy["counters"] == 2
+    assert carbon["grams"] == pytest.approx(150 / 3.6e6 * 100)
+    assert "joules_per_token" not in energy
+    mixed = [_row(0), _row(1, source="estimated", scope="process", key="rank1", joules=7.0)]
+    energy, _ = combine(mixed, intensity)
+    assert energy["joules"] == pytest.approx(100.0) and energy["source"] == "measured"
+    assert energy["excluded"]["ranks"] == [1] and energy["excluded"]["estimated_joules"] == 7.0
+
+
+def test_energy_config_validation():
+    with pytest.raises(ValueError, match="energy.meter must be one of auto, rapl, nvml, estimate, off, got 'gpu'"):
+        EnergyConfig(meter="gpu")
+    with pytest.raises(ValueError, match="energy.interval must be > 0 seconds"):
+        EnergyConfig(interval=0)
+    with pytest.raises(ValueError, match="energy.watts_per_core must be > 0 W"):
+        EnergyConfig(watts_per_core=-1)
+    with pytest.raises(ValueError, match="energy.meter rapl: unavailable on rank 3: .* does not exist"):
+        EnergyTracker(EnergyConfig(meter="rapl", powercap_root="/nonexistent/powercap"),
+                      CarbonConfig(), rank=3)
+
+
+def test_energy_report_prints_the_job_and_every_rank_and_plots(tmp_path: Path, capsys):
+    from torsh_distributed.cli.main import main
+
+    energy, carbon = combine([_row(0, tokens=512), _row(1, tokens=512), _row(2, key="nodeB", tokens=512)],
+                             ConstantIntensity(100.0))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"steps": 4, "energy": energy, "carbon": carbon}))
+    (run / "other.json").write_text(json.dumps({"not": "a summary"}))
+    png = tmp_path / "energy.png"
+    assert main(["energy", "report", str(run), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "energy:  200 J (measured, meter rapl) over 4 steps" in out
+    assert "per token 0.1302 J" in out and "carbon:  0.005556 g CO2e at 100 g/kWh (constant" in out
+    assert len([line for line in out.splitlines() if " rapl  measured" in line]) == 3
+    assert "the job counts each once" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["energy", "report", str(run / "other.json")]) == 2
+    assert "not a run summary with an energy block" in capsys.readouterr().err
+    assert main(["energy", "report", str(tmp_path / "none")]) == 2
+
+
+def test_the_energy_package_imports_no_upper_layer():
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "src" / "torsh_distributed" / "energy"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert node.module.split(".")[1:2] not in (["engine"], ["train"], ["cli"]), path

@@ -129,3 +129,24 @@ def test_the_energy_package_imports_no_upper_layer():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert node.module.split(".")[1:2] not in (["engine"], ["train"], ["cli"]), path
+
+
+def test_losses_are_bit_identical_with_metering_on_or_off(capsys):
+    from torsh_distributed.energy.config import EnergyConfig as Energy
+    from torsh_distributed.train import preset
+    from torsh_distributed.train.trainer import train
+
+    def run(meter: str):
+        config = preset("tiny")
+        config.max_steps, config.batch_size, config.progress, config.threads = 3, 8, False, 1
+        config.data.max_bytes, config.eval_batches = 200_000, 1
+        config.energy = Energy(meter=meter, interval=1e-9)  # a reading at every step
+        return train(config)
+
+    on, off = run("estimate"), run("off")
+    capsys.readouterr()
+    assert on.losses == off.losses
+    assert on.energy["source"] == "estimated" and on.energy["steps"] == 3
+    # the first reading, one per step, and the last one at the end of the loop
+    assert len(on.energy["ranks"][0]["trace"]) == 5 and on.carbon["intensity_source"] == "default"
+    assert off.energy == {} and off.carbon == {}

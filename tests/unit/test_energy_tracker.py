@@ -150,3 +150,17 @@ def test_losses_are_bit_identical_with_metering_on_or_off(capsys):
     # the first reading, one per step, and the last one at the end of the loop
     assert len(on.energy["ranks"][0]["trace"]) == 5 and on.carbon["intensity_source"] == "default"
     assert off.energy == {} and off.carbon == {}
+
+
+def test_tracker_logs_the_latest_reading_to_the_monitor_after_every_step():
+    wall, cpu = _Clock(0.0), _Clock(0.0)
+    logged: list[tuple[str, float]] = []
+    tracker = EnergyTracker(EnergyConfig(interval=1e-9), CarbonConfig(intensity=1.0),
+                            meter=CpuTimeEstimate(watts_per_core=2.0, cpu_seconds=cpu), clock=wall,
+                            log=lambda name, value: logged.append((name, value)))
+    tracker.start()
+    for _ in range(2):
+        wall.t += 2.0
+        cpu.t += 1.0  # 2 J over 2 s: 1 W
+        tracker.step_end()
+    assert logged == [("energy_joules", 2.0), ("energy_w", 1.0), ("energy_joules", 4.0), ("energy_w", 1.0)]

@@ -24,7 +24,12 @@ from torsh_distributed.energy.carbon import Intensity, grams_of_trace
 from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
 from torsh_distributed.energy.meters import EnergyMeter, MeterUnavailableError
 
-__all__ = ["EnergyTracker", "all_gather_rows", "combine"]
+__all__ = ["METRICS", "EnergyTracker", "all_gather_rows", "combine"]
+
+METRICS = ("energy_joules", "energy_w")
+"""Names the tracker logs after every step when given a ``log`` (the step monitor's custom
+metrics: Prometheus ``torsh_custom{name=...}``, the dashboard, the report): this rank's joules at
+the latest reading and its average watts between the last two readings."""
 
 _TRACE_POINTS = 120
 """Readings of each rank kept in the summary for plots (evenly thinned)."""
@@ -43,6 +48,8 @@ class EnergyTracker:
         tokens_per_step: Tokens this rank counts per step (0: per-token figures left out).
         meter: A meter to use instead of opening one (benchmarks, tests).
         clock: Wall clock of the trace (unix seconds, the series' time line).
+        log: Called as ``log(name, value)`` for each of :data:`METRICS` after every step (the
+            latest reading's values: no extra reading); ``None``: nothing logged.
 
     Raises:
         ValueError: an explicitly requested meter cannot be read on this rank (the reason).
@@ -59,6 +66,7 @@ class EnergyTracker:
         tokens_per_step: int = 0,
         meter: EnergyMeter | None = None,
         clock: Callable[[], float] = time.time,
+        log: Callable[[str, float], None] | None = None,
     ) -> None:
         self.on = energy.active
         self.rank = rank
@@ -66,6 +74,8 @@ class EnergyTracker:
         self.steps = 0
         self._clock = clock
         self._interval = energy.interval
+        self._log = log
+        self._watts = 0.0
         self.times: list[float] = []
         self.joules: list[float] = []
         if not self.on:
@@ -96,6 +106,8 @@ class EnergyTracker:
         self.times.append(now)
         self.joules.append(self.meter.read())
         self._next = time.monotonic() + self._interval
+        if len(self.times) > 1 and now > self.times[-2]:
+            self._watts = (self.joules[-1] - self.joules[-2]) / (now - self.times[-2])
 
     def step_end(self) -> None:
         """Count a step; read the meter when the interval has passed (the hot path)."""
@@ -104,6 +116,9 @@ class EnergyTracker:
         self.steps += 1
         if time.monotonic() >= self._next:
             self._sample(self._clock())
+        if self._log is not None:
+            self._log("energy_joules", self.joules[-1] - self.joules[0])
+            self._log("energy_w", self._watts)
 
     def row(self) -> dict[str, Any]:
         """This rank's figures, after a last reading."""

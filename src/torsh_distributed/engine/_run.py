@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
-from torsh_distributed.energy.tracker import EnergyTracker
+from torsh_distributed.energy.tracker import METRICS, EnergyTracker
 from torsh_distributed.engine import _setup as S
 from torsh_distributed.engine._checkpoint import RunCheckpoint, computation_settings
 from torsh_distributed.engine._comm import CommSetup, node_assignment
@@ -330,7 +330,7 @@ class Run:
             samples_per_step=per_dp if counts else 0,
             tokens_per_step=per_dp * self.engine.tokens_per_sample if counts else 0,
             params=self.params,
-            custom_metrics=self.moe.metric_names,
+            custom_metrics=(*self.moe.metric_names, *(METRICS if cfg.energy.active else ())),
             echo=self.progress.write if cfg.progress else None,
         )
         self._stack.callback(self.monitor.close)
@@ -339,6 +339,7 @@ class Run:
             cfg.energy, cfg.carbon, rank=runtime.rank, device=self.device,
             samples_per_step=per_dp if counts else 0,
             tokens_per_step=per_dp * self.engine.tokens_per_sample if counts else 0,
+            log=self.monitor.log if self.monitor.on else None,  # Prometheus, dashboard, report
         )
         self.energy.start()
 

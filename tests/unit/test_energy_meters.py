@@ -182,3 +182,15 @@ def test_auto_prefers_nvml_then_rapl_then_the_estimate(tmp_path: Path):
         open_meter("rapl", powercap_root=str(tmp_path / "none"))
     with pytest.raises(ValueError, match="energy.meter must be one of"):
         open_meter("off")
+
+
+def test_nvml_installed_without_a_driver_says_so():
+    pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py not installed")
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        pass
+    else:
+        pytest.skip("NVML starts here: a driver is present")
+    with pytest.raises(MeterUnavailableError, match="NVML cannot start: "):
+        NvmlMeter(0)

@@ -164,3 +164,18 @@ def test_tracker_logs_the_latest_reading_to_the_monitor_after_every_step():
         cpu.t += 1.0  # 2 J over 2 s: 1 W
         tracker.step_end()
     assert logged == [("energy_joules", 2.0), ("energy_w", 1.0), ("energy_joules", 4.0), ("energy_w", 1.0)]
+
+
+def test_a_series_that_ended_before_the_run_warns_on_rank_0(tmp_path: Path):
+    (tmp_path / "old.csv").write_text("timestamp,intensity\n1000,100\n1060,300\n")
+    carbon = CarbonConfig(series=str(tmp_path / "old.csv"))
+    wall, cpu = _Clock(1120.0 + 7200), _Clock(0.0)
+    tracker = EnergyTracker(EnergyConfig(), carbon, meter=CpuTimeEstimate(cpu_seconds=cpu), clock=wall)
+    with pytest.warns(UserWarning, match=r"last slot ends 2.0 h before the run starts; its last value \(300 g/kWh\) holds"):
+        tracker.start()
+    wall.t += 10
+    cpu.t += 1.0
+    tracker.step_end()
+    _, block = tracker.finish(gather=lambda row: [row])
+    assert block["intensity_source"] == "series" and block["seconds_outside_series"] == pytest.approx(10.0)
+    assert block["grams"] == pytest.approx(4.0 / 3.6e6 * 300)

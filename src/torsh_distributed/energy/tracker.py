@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -98,9 +99,20 @@ class EnergyTracker:
         self._next = -math.inf
 
     def start(self) -> None:
-        """The first reading (call just before the first step)."""
-        if self.on:
-            self._sample(self._clock())
+        """The first reading (call just before the first step); on rank 0, a warning when the
+        intensity series does not reach the present (its edge value would hold)."""
+        if not self.on:
+            return
+        now = self._clock()
+        self._sample(now)
+        ends = getattr(self.intensity, "ends", None)
+        if self.rank == 0 and ends and not ends[-1] > now:
+            warnings.warn(
+                f"carbon.series {self.intensity.detail}: its last slot ends "
+                f"{(now - ends[-1]) / 3600:.1f} h before the run starts; its last value "
+                f"({self.intensity.at(now):g} g/kWh) holds for the whole run",
+                stacklevel=2,
+            )
 
     def _sample(self, now: float) -> None:
         self.times.append(now)

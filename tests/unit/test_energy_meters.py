@@ -121,16 +121,17 @@ class FakePynvml:
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> str:  # noqa: N802 - pynvml's name
         self.asked.append(index)
-        if index > 0:
+        if index > 3:
             raise RuntimeError("NVMLError_InvalidArgument")
         return f"handle{index}"
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:  # noqa: N802
-        assert handle == "handle0"
+        assert handle.startswith("handle")
         return self.mj
 
 
-def test_nvml_reads_millijoules_since_it_opened():
+def test_nvml_reads_millijoules_since_it_opened(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     fake = FakePynvml(start_mj=123_456_789)
     meter = NvmlMeter(0, nvml=fake)
     assert meter.read() == 0.0
@@ -141,9 +142,17 @@ def test_nvml_reads_millijoules_since_it_opened():
     assert meter.source == "measured" and meter.scope == "gpu" and "GPU 0" in meter.detail
 
 
+def test_nvml_reads_the_gpu_cuda_visible_devices_names(monkeypatch: pytest.MonkeyPatch):
+    fake = FakePynvml(0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    NvmlMeter(1, nvml=fake)  # torch's cuda:1 is the host's GPU 3
+    assert fake.asked == [3]
+
+
 def test_nvml_unavailable_with_a_reason(monkeypatch: pytest.MonkeyPatch):
-    with pytest.raises(MeterUnavailableError, match="NVML energy counter of GPU 1: NVMLError_InvalidArgument"):
-        NvmlMeter(1, nvml=FakePynvml(0))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(MeterUnavailableError, match="NVML energy counter of GPU 5: NVMLError_InvalidArgument"):
+        NvmlMeter(5, nvml=FakePynvml(0))
     import sys
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed

@@ -10,6 +10,7 @@ network and accelerators are not counted. Always labelled ``estimated``; set
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -43,8 +44,6 @@ class CpuTimeEstimate:
         self.watts_per_core = watts_per_core
         self._cpu_seconds = cpu_seconds
         self._start = cpu_seconds()
-        import os
-
         self.scope_key = f"pid{os.getpid()}"
         self.detail = f"CPU time of this process x {watts_per_core:g} W per busy core"
 

@@ -8,6 +8,8 @@ says why.
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 from torsh_distributed.energy.meters import MeterUnavailableError
@@ -33,11 +35,12 @@ class NvmlMeter:
     """Energy of one GPU since the meter opened.
 
     Args:
-        index: The CUDA device index (NVML's index of the same device when
-            ``CUDA_VISIBLE_DEVICES`` is unset; the meter names the device it reads).
-        nvml: The ``pynvml`` module, or in tests an object with the same three functions
-            (``nvmlInit``, ``nvmlDeviceGetHandleByIndex``, ``nvmlDeviceGetTotalEnergyConsumption``);
-            ``None`` imports ``pynvml``.
+        index: The CUDA device index as torch numbers it; translated through
+            ``CUDA_VISIBLE_DEVICES`` (indices or ``GPU-...`` UUIDs) to NVML's device, which
+            numbers every GPU of the host.
+        nvml: The ``pynvml`` module, or in tests an object with the functions used here
+            (``nvmlDeviceGetHandleByIndex`` or ``...ByUUID``,
+            ``nvmlDeviceGetTotalEnergyConsumption``); ``None`` imports and initialises ``pynvml``.
     """
 
     name = "nvml"
@@ -48,21 +51,26 @@ class NvmlMeter:
         if nvml is None:
             nvml = _load_pynvml()
         self._nvml = nvml
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        target: int | str = index
+        if visible and index < len(visible):
+            target = int(visible[index]) if visible[index].isdigit() else visible[index]
         try:
-            self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            if isinstance(target, str):
+                self._handle = nvml.nvmlDeviceGetHandleByUUID(target)
+            else:
+                self._handle = nvml.nvmlDeviceGetHandleByIndex(target)
             self._start_mj = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
         except Exception as exc:  # NVMLError_NotSupported on pre-Volta GPUs, invalid index
-            raise MeterUnavailableError(f"NVML energy counter of GPU {index}: {exc}") from None
+            raise MeterUnavailableError(f"NVML energy counter of GPU {target}: {exc}") from None
         uuid = ""
         if hasattr(nvml, "nvmlDeviceGetUUID"):
             try:
                 uuid = str(nvml.nvmlDeviceGetUUID(self._handle))
             except Exception:
                 uuid = ""
-        import socket
-
         self.scope_key = uuid or f"{socket.gethostname()}:gpu{index}"
-        self.detail = f"NVML total energy of GPU {index}" + (f" ({uuid})" if uuid else "")
+        self.detail = f"NVML total energy of GPU {target}" + (f" ({uuid})" if uuid else "")
 
     def read(self) -> float:
         """Joules of this GPU since the meter opened (the counter is 64-bit: no wrap in practice)."""

@@ -52,6 +52,9 @@ examples:
       --compression topk:0.01 --compression.warmup-steps 5
   # a DeepSpeed JSON config: every key reported as applied / mapped / unsupported
   torsh-dist train --nproc-per-node 2 --deepspeed ds_config.json [--strict]
+  # energy per rank and step, carbon at a region's average (or --carbon.intensity G,
+  # --carbon.series FILE); then: torsh-dist energy report runs/a
+  torsh-dist train --nproc-per-node 2 --carbon.region DEU --summary-json runs/a/summary.json
   # parameter server: rank 0 serves, ranks 1-2 train with bounded staleness 2
   torsh-dist train --nproc-per-node 3 --ps-servers 1 --staleness 2 --max-steps 50
 """

@@ -15,6 +15,7 @@ from torsh_distributed.energy import (
     EnergyConfig,
     EnergyTracker,
     combine,
+    grams_of_trace,
 )
 
 
@@ -179,3 +180,27 @@ def test_a_series_that_ended_before_the_run_warns_on_rank_0(tmp_path: Path):
     _, block = tracker.finish(gather=lambda row: [row])
     assert block["intensity_source"] == "series" and block["seconds_outside_series"] == pytest.approx(10.0)
     assert block["grams"] == pytest.approx(4.0 / 3.6e6 * 300)
+
+
+def test_a_long_run_keeps_a_bounded_trace_and_the_exact_integral(tmp_path: Path):
+    rows = "\n".join(f"{60 * i},{100 + 10 * (i % 7)}" for i in range(200))
+    (tmp_path / "s.csv").write_text("timestamp,intensity\n" + rows + "\n")
+    wall, cpu = _Clock(0.0), _Clock(0.0)
+    tracker = EnergyTracker(EnergyConfig(interval=1e-9), CarbonConfig(series=str(tmp_path / "s.csv")),
+                            meter=CpuTimeEstimate(watts_per_core=1.0, cpu_seconds=cpu), clock=wall)
+    tracker.start()
+    times, joules = [0.0], [0.0]
+    for i in range(3000):  # 3000 readings of 3.7 s at changing power
+        wall.t += 3.7
+        cpu.t += 1.0 + (i % 5)
+        tracker.step_end()
+        times.append(wall.t)
+        joules.append(cpu.t)
+    from torsh_distributed.energy import load_series
+
+    expected, _ = grams_of_trace(times, joules, load_series(tmp_path / "s.csv"))
+    energy, carbon = tracker.finish(gather=lambda row: [row])
+    assert carbon["grams"] == pytest.approx(expected, rel=1e-12)
+    assert energy["joules"] == pytest.approx(joules[-1]) and energy["ranks"][0]["readings"] == 3001
+    trace = energy["ranks"][0]["trace"]
+    assert len(trace) < 2 * 120 + 1 and trace[0] == [0.0, 0.0] and trace[-1][1] == pytest.approx(joules[-1])

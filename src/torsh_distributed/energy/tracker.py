@@ -33,7 +33,9 @@ metrics: Prometheus ``torsh_custom{name=...}``, the dashboard, the report): this
 the latest reading and its average watts between the last two readings."""
 
 _TRACE_POINTS = 120
-"""Readings of each rank kept in the summary for plots (evenly thinned)."""
+"""Readings of each rank kept for plots: the trace is halved whenever it reaches twice this, so
+memory stays bounded however long the run (the carbon integral is accumulated reading by
+reading, on every reading)."""
 
 
 class EnergyTracker:
@@ -76,9 +78,13 @@ class EnergyTracker:
         self._clock = clock
         self._interval = energy.interval
         self._log = log
-        self._watts = 0.0
+        self._watts = self.grams = self.outside = 0.0
+        self._t0 = self._j0 = self._t = self._j = 0.0
+        self.readings = 0
         self.times: list[float] = []
+        """Unix times of the kept readings (thinned, see ``_TRACE_POINTS``)."""
         self.joules: list[float] = []
+        """The meter's joules at those times."""
         if not self.on:
             return
         self.intensity: Intensity = carbon.resolve()
@@ -115,11 +121,22 @@ class EnergyTracker:
             )
 
     def _sample(self, now: float) -> None:
-        self.times.append(now)
-        self.joules.append(self.meter.read())
+        joules = self.meter.read()
         self._next = time.monotonic() + self._interval
-        if len(self.times) > 1 and now > self.times[-2]:
-            self._watts = (self.joules[-1] - self.joules[-2]) / (now - self.times[-2])
+        if self.readings:
+            grams, outside = grams_of_trace([self._t, now], [self._j, joules], self.intensity)
+            self.grams += grams
+            self.outside += outside
+            if now > self._t:
+                self._watts = (joules - self._j) / (now - self._t)
+        else:
+            self._t0, self._j0 = now, joules
+        self._t, self._j = now, joules
+        self.readings += 1
+        if len(self.times) >= 2 * _TRACE_POINTS:  # keep the first, every other, and the latest
+            self.times, self.joules = self.times[::2], self.joules[::2]
+        self.times.append(now)
+        self.joules.append(joules)
 
     def step_end(self) -> None:
         """Count a step; read the meter when the interval has passed (the hot path)."""
@@ -129,22 +146,16 @@ class EnergyTracker:
         if time.monotonic() >= self._next:
             self._sample(self._clock())
         if self._log is not None:
-            self._log("energy_joules", self.joules[-1] - self.joules[0])
+            self._log("energy_joules", self._j - self._j0)
             self._log("energy_w", self._watts)
 
     def row(self) -> dict[str, Any]:
         """This rank's figures, after a last reading."""
-        if not self.on or not self.times:
+        if not self.on or not self.readings:
             return {}
-        if self.steps and self._clock() > self.times[-1]:
+        if self.steps and self._clock() > self._t:
             self._sample(self._clock())
-        joules = self.joules[-1] - self.joules[0]
-        seconds = self.times[-1] - self.times[0]
-        grams, outside = grams_of_trace(self.times, self.joules, self.intensity)
-        keep = max(1, math.ceil(len(self.times) / _TRACE_POINTS))
-        idx = list(range(0, len(self.times), keep))
-        if idx[-1] != len(self.times) - 1:
-            idx.append(len(self.times) - 1)
+        joules, seconds = self._j - self._j0, self._t - self._t0
         m = self.meter
         return {
             "rank": self.rank,
@@ -160,10 +171,11 @@ class EnergyTracker:
             "steps": self.steps,
             "samples": self.samples_per_step * self.steps,
             "tokens": self.tokens_per_step * self.steps,
-            "grams": grams,
-            "seconds_outside_series": outside,
-            "trace": [[self.times[i] - self.times[0], self.joules[i] - self.joules[0]] for i in idx],
-            "trace_start_unix_s": self.times[0],
+            "readings": self.readings,
+            "grams": self.grams,
+            "seconds_outside_series": self.outside,
+            "trace": [[t - self._t0, j - self._j0] for t, j in zip(self.times, self.joules, strict=True)],
+            "trace_start_unix_s": self._t0,
         }
 
     def finish(

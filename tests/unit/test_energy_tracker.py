@@ -204,3 +204,15 @@ def test_a_long_run_keeps_a_bounded_trace_and_the_exact_integral(tmp_path: Path)
     assert energy["joules"] == pytest.approx(joules[-1]) and energy["ranks"][0]["readings"] == 3001
     trace = energy["ranks"][0]["trace"]
     assert len(trace) < 2 * 120 + 1 and trace[0] == [0.0, 0.0] and trace[-1][1] == pytest.approx(joules[-1])
+
+
+def test_train_refuses_an_unreadable_meter_before_any_rank_starts(tmp_path: Path, capfd):
+    from torsh_distributed.cli.main import main
+
+    code = main(["train", "--nproc-per-node", "2", "--max-steps", "2", "--energy.meter", "rapl",
+                 "--energy.powercap-root", str(tmp_path / "none")])
+    out, err = capfd.readouterr()
+    assert code == 2 and "[rank" not in out
+    assert f"--energy.meter rapl: {tmp_path / 'none'} does not exist (no powercap interface" in err
+    code = main(["train", "--max-steps", "2", "--carbon.series", str(tmp_path / "none.csv")])
+    assert code == 2 and "carbon.series: " in capfd.readouterr().err

@@ -293,6 +293,19 @@ def _check_world(config: TrainConfig, world_size: int, user: UserFactories | Non
     plan_run(config, world_size=world_size, tp_plan=plan)
 
 
+def _check_meter(config: TrainConfig) -> None:
+    """A meter asked for by name must be readable on this host (all ranks run here): refused
+    with the reason before any rank starts instead of on every rank after set-up."""
+    from torsh_distributed.energy.auto import open_meter
+    from torsh_distributed.energy.meters import MeterUnavailableError
+
+    energy = config.energy
+    try:
+        open_meter(energy.meter, powercap_root=energy.powercap_root, watts_per_core=energy.watts_per_core)
+    except MeterUnavailableError as exc:
+        raise ValueError(f"--energy.meter {energy.meter}: {exc}") from None
+
+
 def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
     """``--deepspeed FILE``, ``--fairscale FILE`` and ``--strict``."""
     group = parser.add_argument_group(
@@ -371,6 +384,8 @@ def _handle(args: argparse.Namespace) -> int:
         user.check(config)  # imports and calls the factories: errors before any rank starts
     if world is not None:
         _check_world(config, world.world_size, user)
+    if not inside_launch and config.energy.meter in ("rapl", "nvml") and options.nnodes in ("1", "1:1"):
+        _check_meter(config)
     elif ":" not in options.nnodes:  # a fixed world: check what depends on its size
         _check_world(config, options.nproc_per_node * int(options.nnodes), user)
     if inside_launch or (options.nproc_per_node == 1 and options.nnodes in ("1", "1:1")):

@@ -144,7 +144,17 @@ def test_losses_are_bit_identical_with_metering_on_or_off(capsys):
         config.energy = Energy(meter=meter, interval=1e-9)  # a reading at every step
         return train(config)
 
-    on, off = run("estimate"), run("off")
+    import os
+
+    import torch
+
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    try:  # in this process: the run sets torch's threads and the rendezvous variables
+        on, off = run("estimate"), run("off")
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(env)
     capsys.readouterr()
     assert on.losses == off.losses
     assert on.energy["source"] == "estimated" and on.energy["steps"] == 3

@@ -50,9 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "report",
         help="the energy/carbon report of a run's --summary-json",
         description=(
-            "Report the energy (measured by RAPL or NVML, or estimated from CPU time: always "
-            "labelled) and the carbon of a finished run, for the job and for every rank, from "
-            "the JSON summary torsh-dist train wrote with --summary-json."
+            "Report the energy (measured by RAPL or NVML, or estimated from CPU time: always\n"
+            "labelled) and the carbon of a finished run, for the job and for every rank, from the\n"
+            "JSON summary torsh-dist train wrote with --summary-json (docs/energy.md)."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

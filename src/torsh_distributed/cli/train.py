@@ -55,6 +55,9 @@ examples:
   # energy per rank and step, carbon at a region's average (or --carbon.intensity G,
   # --carbon.series FILE); then: torsh-dist energy report runs/a
   torsh-dist train --nproc-per-node 2 --carbon.region DEU --summary-json runs/a/summary.json
+  # time shifting: checkpoint and pause while the series is above 300 gCO2/kWh, end by 18:00Z
+  torsh-dist train --nproc-per-node 2 --carbon.series grid.csv --carbon.max-intensity 300 \\
+      --carbon.deadline 2026-11-26T18:00:00Z --checkpoint.dir runs/a/ckpt
   # parameter server: rank 0 serves, ranks 1-2 train with bounded staleness 2
   torsh-dist train --nproc-per-node 3 --ps-servers 1 --staleness 2 --max-steps 50
 """

@@ -2,7 +2,8 @@
 
 Meters behind one :class:`EnergyMeter` protocol (RAPL through powercap, NVML, and an estimate
 from CPU time where neither is readable), an :class:`EnergyTracker` the loop calls once per step,
-and carbon from a constant, a region's annual average or an intensity time series.
+carbon from a constant, a region's annual average or an intensity time series, and carbon-aware
+time shifting (:class:`TimeShift`: pause while the series is above a threshold).
 """
 
 from torsh_distributed.energy.auto import open_meter
@@ -18,6 +19,7 @@ from torsh_distributed.energy.estimate import CpuTimeEstimate
 from torsh_distributed.energy.meters import METERS, EnergyMeter, MeterUnavailableError
 from torsh_distributed.energy.nvml import NvmlMeter
 from torsh_distributed.energy.rapl import RaplMeter
+from torsh_distributed.energy.shift import ShiftPolicy, TimeShift, parse_deadline
 from torsh_distributed.energy.tracker import EnergyTracker, combine
 
 __all__ = [
@@ -32,9 +34,12 @@ __all__ = [
     "MeterUnavailableError",
     "NvmlMeter",
     "RaplMeter",
+    "ShiftPolicy",
+    "TimeShift",
     "combine",
     "grams_of_trace",
     "load_series",
     "open_meter",
+    "parse_deadline",
     "region_intensity",
 ]

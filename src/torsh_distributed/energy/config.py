@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from torsh_distributed.energy.meters import METERS
 
 if TYPE_CHECKING:
     from torsh_distributed.energy.carbon import Intensity
+    from torsh_distributed.energy.shift import ShiftPolicy
 
 __all__ = ["CarbonConfig", "EnergyConfig"]
 
@@ -59,6 +61,14 @@ class CarbonConfig:
     or the UK carbon-intensity API's JSON; checked before training (docs/energy.md)."""
     region: str = field(default="", metadata={"flags": []})
     """A country's annual average from the shipped table (ISO alpha-3: DEU, FRA, USA, ...)."""
+    max_intensity: float = field(default=0.0, metadata={"flags": []})
+    """Time shifting (needs --carbon.series): while the series' intensity is above this many
+    gCO2/kWh the job checkpoints (with --checkpoint.dir) and pauses until the first slot at or
+    below it. Outside the series the job runs. 0 = off."""
+    deadline: str = field(default="", metadata={"flags": []})
+    """Bound of time shifting: an ISO 8601 time (no zone = UTC) or a duration from the first
+    step (30m, 90s, 1h30m); no pause that would end training after it, by the measured step
+    time. Empty = pauses are unbounded."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.intensity) or self.intensity < 0:
@@ -67,7 +77,40 @@ class CarbonConfig:
                                 ("region", self.region)) if v]
         if len(given) > 1:
             raise ValueError(f"give one of --carbon.intensity, --carbon.series, --carbon.region, got {given}")
-        self.resolve()  # a bad series or region fails here, before any rank starts
+        if not math.isfinite(self.max_intensity) or self.max_intensity < 0:
+            raise ValueError(f"carbon.max_intensity must be >= 0 gCO2/kWh (0 = off), got {self.max_intensity}")
+        if self.max_intensity and not self.series:
+            raise ValueError(
+                f"carbon.max_intensity {self.max_intensity:g} needs --carbon.series FILE: time shifting "
+                "follows the intensity over time (a constant or a region's average never changes)"
+            )
+        if self.deadline and not self.max_intensity:
+            raise ValueError(
+                f"carbon.deadline {self.deadline!r} bounds time shifting: give --carbon.max-intensity X "
+                "with it (without it the job never pauses)"
+            )
+        intensity = self.resolve()  # a bad series or region fails here, before any rank starts
+        if self.max_intensity:
+            self.shift_policy(intensity).check(time.time())
+
+    def shift_policy(self, intensity: Intensity | None = None, *, start: float | None = None) -> ShiftPolicy:
+        """The time-shifting policy of these settings (a duration deadline counts from
+        ``start``, default now).
+
+        Raises:
+            ValueError: time shifting is off, or the deadline is not a time or a duration.
+        """
+        from torsh_distributed.energy.carbon import IntensitySeries
+        from torsh_distributed.energy.shift import ShiftPolicy, parse_deadline
+
+        series = self.resolve() if intensity is None else intensity
+        if not self.max_intensity or not isinstance(series, IntensitySeries):
+            raise ValueError("carbon: time shifting needs --carbon.max-intensity and --carbon.series")
+        deadline = None
+        if self.deadline:
+            kind, value = parse_deadline(self.deadline)
+            deadline = (time.time() if start is None else start) + value if kind == "after" else value
+        return ShiftPolicy(series, self.max_intensity, deadline)
 
     def resolve(self) -> Intensity:
         """The intensity these settings name (parses the series file)."""

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
+from torsh_distributed.energy.shift import TimeShift
 from torsh_distributed.energy.tracker import METRICS, EnergyTracker
 from torsh_distributed.engine import _setup as S
 from torsh_distributed.engine._checkpoint import RunCheckpoint, computation_settings
@@ -127,6 +128,7 @@ class Run:
     write: Callable[[str], None]
     monitor: StepMonitor
     energy: EnergyTracker
+    shift: TimeShift
 
     def __init__(self, engine: EngineInputs, runtime: world.Runtime, *, started: float) -> None:
         self.engine, self.runtime, self.started = engine, runtime, started
@@ -342,6 +344,12 @@ class Run:
             log=self.monitor.log if self.monitor.on else None,  # Prometheus, dashboard, report
         )
         self.energy.start()
+        carbon = cfg.carbon  # --carbon.max-intensity: rank 0 decides, every rank pauses with it
+        self.shift = TimeShift(
+            (lambda start: carbon.shift_policy(start=start)) if carbon.max_intensity else None,
+            main=runtime.is_main, start_step=self.start_step, max_steps=cfg.max_steps,
+            write=self.write, device=self.device,
+        )
 
     # --- the step --------------------------------------------------------------------------
 
@@ -384,6 +392,12 @@ class Run:
                 self.write(f"step {step + 1}: val loss {val_loss:.4f}")
         if (step + 1) % cfg.log_every == 0 or step == self.start_step or step + 1 == cfg.max_steps:
             self._log(step, global_loss)
+        self.shift.step_end(step + 1, save=lambda: self._save_before_pause(step + 1))
+
+    def _save_before_pause(self, step: int) -> None:
+        ckpt = self.ckpt  # collective; RunCheckpoint saves only when due, so its _save is used
+        if ckpt.saving and ckpt._saved_step != step:
+            ckpt._save(step, self.losses, blocking=True)
 
     def _set_lr(self, step: int) -> float:
         if self.engine.optimizer_factory is not None:
@@ -526,6 +540,7 @@ class Run:
         self.progress.close()
         monitor_report = self.monitor.finish()  # last aggregation (collective), bottleneck report
         energy, carbon = self.energy.finish()  # every rank's figures (collective)
+        carbon = {**carbon, **self.shift.summary()}  # time shifting's pauses, the deadline
         self.ckpt.finish(cfg.max_steps, losses)  # final save, wait for async saves
         self.comm.finish(main=self.runtime.is_main)  # merged Chrome trace on rank 0
         val_loss = self.evaluate()

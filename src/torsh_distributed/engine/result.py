@@ -68,7 +68,9 @@ class TrainResult:
     and why, and every rank's figures (``ranks``); {} with ``--energy.meter off``."""
     carbon: dict = field(default_factory=dict)
     """Emissions of that energy: ``grams`` CO2e, ``intensity_source`` (``constant``, ``series``,
-    ``region`` or ``default``), the mean intensity, per rank; {} with ``--energy.meter off``."""
+    ``region`` or ``default``), the mean intensity, per rank; {} with ``--energy.meter off``.
+    With ``--carbon.max-intensity`` also time shifting's ``pauses`` (``step``, ``start``,
+    ``seconds``, ``intensity``), ``paused_s``, ``deadline`` and ``met_deadline``."""
 
     def summary(self) -> dict[str, Any]:
         """The summary fields (everything except the per-step and per-evaluation losses)."""
@@ -110,12 +112,14 @@ def print_summary(result: TrainResult) -> None:
         block = table.pop(name, None)
         if block:
             table[name] = {k: block[k] for k in keys if block.get(k) is not None}
+            if isinstance(block.get("pauses"), list):  # time shifting: the count (list in JSON)
+                table[name]["pauses"] = len(block["pauses"])
     print(format_summary(for_table(table)), flush=True)
 
 
 _ENERGY_ROWS = {
     "energy": ("joules", "joules_per_step", "joules_per_token", "average_power_w", "source", "meter"),
-    "carbon": ("grams", "intensity_g_per_kwh", "intensity_source"),
+    "carbon": ("grams", "intensity_g_per_kwh", "intensity_source", "paused_s", "met_deadline"),
 }
 
 

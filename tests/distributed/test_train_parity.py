@@ -110,10 +110,9 @@ def test_gradient_accumulation_must_divide_the_per_rank_batch():
 def _accumulated_grads() -> dict[str, float]:
     import torch
 
-    from torsh_distributed.engine._run import accumulate
     from torsh_distributed.models.gpt import GPT, lm_loss
     from torsh_distributed.parallel.config import ParallelConfig
-    from torsh_distributed.parallel.data import apply_ddp
+    from torsh_distributed.parallel.data import accumulate, apply_ddp
     from torsh_distributed.parallel.precision import LossScaler
     from torsh_distributed.train.config import ModelConfig
 

@@ -364,6 +364,14 @@ class RunCheckpoint:
         self._saved_step = step
         faults.on_save_started(step, self.rank, self.faults)
 
+    def save_now(self, step: int, losses: list[float]) -> None:
+        """Save at ``step`` now and wait for it (every rank; collective), unless checkpointing is
+        off or ``step`` is saved already: before a pause (carbon-aware time shifting)."""
+        if self.saving and self.manager is not None and self._saved_step != step:
+            self._save(step, losses, blocking=True)
+            if self.is_main:
+                self._record(step)
+
     def step_end(self, step: int, losses: list[float]) -> None:
         """After ``step`` steps: save if due, then apply injected faults (tests only)."""
         if self.resumed_step is not None and not self._first_step_logged and self.is_main:

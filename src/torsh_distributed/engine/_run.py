@@ -49,7 +49,7 @@ from torsh_distributed.engine.optim import build_optimizer, lr_at
 from torsh_distributed.engine.progress import Progress
 from torsh_distributed.engine.result import TrainResult, report_result
 from torsh_distributed.monitor.step import StepMonitor
-from torsh_distributed.parallel.data import no_grad_sync
+from torsh_distributed.parallel.data import accumulate
 from torsh_distributed.parallel.precision import LossScaler
 from torsh_distributed.parallel.rebalance import RebalanceConfig
 from torsh_distributed.parallel.sharded import shard_optimizer
@@ -392,12 +392,7 @@ class Run:
                 self.write(f"step {step + 1}: val loss {val_loss:.4f}")
         if (step + 1) % cfg.log_every == 0 or step == self.start_step or step + 1 == cfg.max_steps:
             self._log(step, global_loss)
-        self.shift.step_end(step + 1, save=lambda: self._save_before_pause(step + 1))
-
-    def _save_before_pause(self, step: int) -> None:
-        ckpt = self.ckpt  # collective; RunCheckpoint saves only when due, so its _save is used
-        if ckpt.saving and ckpt._saved_step != step:
-            ckpt._save(step, self.losses, blocking=True)
+        self.shift.step_end(step + 1, save=lambda: self.ckpt.save_now(step + 1, self.losses))
 
     def _set_lr(self, step: int) -> float:
         if self.engine.optimizer_factory is not None:
@@ -588,30 +583,3 @@ class Run:
             )
         return result
 
-
-def accumulate(
-    model: nn.Module,
-    loss_fn: LossFn,
-    scaler: LossScaler,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    parts: int,
-) -> torch.Tensor:
-    """Forward/backward ``parts`` equal micro-batches, exchanging gradients only after the
-    last; returns the mean loss (the loss of the whole batch)."""
-    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-        raise ValueError(
-            f"grad_accum {parts} splits the batch into micro-batches and needs tensor inputs "
-            f"and targets, got {type(x).__name__} and {type(y).__name__}; use grad_accum 1"
-        )
-    total = torch.zeros((), device=x.device)
-    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
-        if i < parts - 1:
-            with no_grad_sync(model):
-                loss = loss_fn(model(xs), ys)
-                scaler.backward(loss / parts)
-        else:
-            loss = loss_fn(model(xs), ys)
-            scaler.backward(loss / parts)
-        total += loss.detach()
-    return total / parts

@@ -7,15 +7,20 @@ decides when wrapping is meaningful and fixes the defaults we rely on.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DDPOptions", "apply_ddp", "no_grad_sync", "unwrap"]
+if TYPE_CHECKING:
+    from torsh_distributed.parallel.precision import LossScaler
+
+__all__ = ["DDPOptions", "accumulate", "apply_ddp", "no_grad_sync", "unwrap"]
 
 _DDP_HAS_FORWARD_SYNC = (
     "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -134,3 +139,31 @@ def no_grad_sync(model: nn.Module) -> Iterator[None]:
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside a DDP wrapper (or ``model`` itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def accumulate(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    scaler: LossScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: int,
+) -> torch.Tensor:
+    """Forward/backward ``parts`` equal micro-batches, exchanging gradients only after the
+    last; returns the mean loss (the loss of the whole batch)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        raise ValueError(
+            f"grad_accum {parts} splits the batch into micro-batches and needs tensor inputs "
+            f"and targets, got {type(x).__name__} and {type(y).__name__}; use grad_accum 1"
+        )
+    total = torch.zeros((), device=x.device)
+    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
+        if i < parts - 1:
+            with no_grad_sync(model):
+                loss = loss_fn(model(xs), ys)
+                scaler.backward(loss / parts)
+        else:
+            loss = loss_fn(model(xs), ys)
+            scaler.backward(loss / parts)
+        total += loss.detach()
+    return total / parts

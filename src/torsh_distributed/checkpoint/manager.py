@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import threading
 import time
 import warnings
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +66,7 @@ from torsh_distributed.checkpoint._state import (
     refill_hyperparameters,
     zero1_optim_state,
 )
+from torsh_distributed.checkpoint.catalog import CheckpointInfo, latest_valid, scan, step_dir_name
 from torsh_distributed.checkpoint.resume import capture_rng, restore_rng
 from torsh_distributed.comm.dims import side_group
 from torsh_distributed.runtime.errors import CheckpointError
@@ -85,33 +85,7 @@ warnings.filterwarnings(
     category=UserWarning,
 )
 
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
-
-
-def step_dir_name(step: int) -> str:
-    """Directory name of the checkpoint of ``step`` (sorts by step)."""
-    return f"step_{step:08d}"
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    """One entry of :func:`scan`."""
-
-    path: Path
-    """The checkpoint directory."""
-    step: int
-    """Optimizer steps done when it was saved."""
-    valid: bool
-    """Result of the verification."""
-    reason: str
-    """Why it is invalid (empty when valid)."""
-    file: str
-    """File at fault (empty when valid)."""
-    size_bytes: int
-    """Total size of its files."""
-    meta: dict[str, Any] | None
-    """Its ``meta.json`` when valid."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,57 +113,6 @@ class LoadedCheckpoint:
 
 def _rank_tensors_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
-
-
-def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def scan(directory: str | Path, *, deep: bool = True) -> list[CheckpointInfo]:
-    """Every ``step_*`` checkpoint in ``directory``, newest first, each verified.
-
-    Args:
-        directory: The checkpoint root.
-        deep: Re-hash file contents (see :func:`~torsh_distributed.checkpoint.manifest.verify`).
-    """
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    infos = []
-    for step, path in sorted(found, reverse=True):
-        verdict = manifest.verify(path, deep=deep)
-        infos.append(
-            CheckpointInfo(
-                path=path,
-                step=step,
-                valid=verdict.valid,
-                reason=verdict.reason,
-                file=verdict.file,
-                size_bytes=_dir_size(path),
-                meta=verdict.meta,
-            )
-        )
-    return infos
-
-
-def latest_valid(directory: str | Path) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
-    """The newest checkpoint of ``directory`` that verifies (re-hashed), and the newer invalid
-    ones skipped to reach it (newest first). Only checkpoints up to the chosen one are re-hashed.
-    What :meth:`CheckpointManager.load` resumes from, and what inference loads."""
-    skipped = []
-    for info in scan(directory, deep=False):
-        verdict = manifest.verify(info.path) if info.valid else None
-        if verdict is not None and verdict.valid:
-            return replace(info, meta=verdict.meta), skipped
-        if verdict is not None:
-            info = replace(info, valid=False, reason=verdict.reason, file=verdict.file)
-        skipped.append(info)
-    return None, skipped
 
 
 def _distributed() -> bool:

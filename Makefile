@@ -14,7 +14,7 @@ $(PY):
 # torch is pinned here (the machine's CPU build); the package itself requires torch>=2.4.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot,ray,dask,energy,federated]"
+	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot,ray,dask,energy,federated,serve]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -22,8 +22,12 @@ _COMMANDS = {
     "serve": "torsh_distributed.cli.serve",
     "slurm": "torsh_distributed.cli.slurm",
     "energy": "torsh_distributed.cli.energy",
+    "federated": "torsh_distributed.cli.federated",
 }
 """Subcommand -> the module whose ``register(subparsers)`` adds it, in ``--help`` order."""
+
+_ALIASES = {"federated-node": "federated"}
+"""Commands that another command's module registers."""
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -39,9 +43,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torsh-dist {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    registered: set[str] = set()
     for name, module in _COMMANDS.items():
-        if only is None or name == only:
-            importlib.import_module(module).register(sub)
+        if (only is None or name == only) and module not in registered:
+            importlib.import_module(module).register(sub)  # may add several commands
+            registered.add(module)
     return parser
 
 
@@ -49,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``torsh-dist``; user errors print one line and exit 2 instead of a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    command = _ALIASES.get(command or "", command)
     parser = build_parser(command if command in _COMMANDS else None)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,80 @@
+"""Flower's ``ServerApp`` and ``ClientApp`` of a torsh-dist federated run.
+
+The deployment engine loads them by name (``torsh_distributed.federated.apps:server_app`` and
+``:client_app``, from the app that :mod:`~torsh_distributed.federated.deploy` submits). The server
+reads the run's config from the JSON file ``run_config["spec"]`` names (on the SuperLink's host)
+and runs :class:`~torsh_distributed.federated.server.RoundLoop`; each round's message carries
+the config as JSON, so a client on another host needs only its ``partition-id`` and
+``num-partitions`` (Flower's node config, set when its SuperNode starts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+__all__ = ["client_app", "server_app"]
+
+client_app = ClientApp()
+server_app = ServerApp()
+
+
+def _node_partition(context: Context, clients: int) -> int:
+    node = context.node_config
+    if "partition-id" not in node:
+        raise ValueError(
+            "this SuperNode has no partition-id in its node config: start it with "
+            "--node-config 'partition-id=I num-partitions=N' (torsh-dist federated-node does)"
+        )
+    pid, num = int(node["partition-id"]), int(node.get("num-partitions", clients))
+    if num != clients:
+        raise ValueError(f"this SuperNode was started for {num} partitions, the run has {clients} clients")
+    return pid
+
+
+@client_app.train()
+def _train(msg: Message, context: Context) -> Message:
+    from torsh_distributed.federated.client import train_round
+    from torsh_distributed.federated.config import FederatedConfig
+
+    config_record = msg.content["config"]
+    config = FederatedConfig.from_dict(json.loads(str(config_record["spec"])))
+    server_round = int(config_record["server-round"])
+    mu = float(config_record["proximal-mu"]) if "proximal-mu" in config_record else 0.0
+    pid = _node_partition(context, config.clients)
+    global_state = msg.content["arrays"].to_torch_state_dict()
+    result = train_round(config, global_state, partition_id=pid, server_round=server_round, proximal_mu=mu)
+    metrics = MetricRecord(
+        {
+            "num-examples": result.num_examples,
+            "partition-id": pid,
+            "loss": result.loss,
+            "steps": result.steps,
+            "seconds": result.seconds,
+            "straggler": int(result.straggler),
+        }
+    )
+    content = RecordDict({"arrays": ArrayRecord(result.state), "metrics": metrics})
+    return Message(content=content, reply_to=msg)
+
+
+@server_app.main()
+def _main(grid: Grid, context: Context) -> None:
+    from torsh_distributed.federated.config import FederatedConfig
+    from torsh_distributed.federated.server import RoundLoop
+
+    spec = Path(str(context.run_config["spec"]))
+    config = FederatedConfig.from_dict(json.loads(spec.read_text()))
+    started = time.time()
+    summary = RoundLoop(config, grid, log=_log).run()
+    _log(f"federated: done in {time.time() - started:.1f} s, summary {Path(config.run_dir) / 'summary.json'}")
+    del summary
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)

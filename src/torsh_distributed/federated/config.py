@@ -1,0 +1,200 @@
+"""Configuration of a federated run (torch-free, so that the CLI validates before any process).
+
+Two sections: :class:`ClientConfig` (what one client does in a round: local steps, batch,
+optimizer, its own data-parallel width) and :class:`FederatedConfig` (the rounds: how many
+clients, which strategy, sampling, the data split, the deadline, where state goes). Both are
+sent to the clients as JSON inside Flower's messages, so a client on another host needs no file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torsh_distributed._checks import positive as _positive
+
+__all__ = ["ClientConfig", "FederatedConfig", "PARTITIONS", "STRATEGIES", "TaskConfig"]
+
+STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedavgm")
+"""Flower strategies a run can use (``flwr.serverapp.strategy``)."""
+
+PARTITIONS = ("package", "iid", "dirichlet", "shards")
+"""How the data is split among clients; ``package`` only for the built-in corpus."""
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    """One client's local training in a round (the engine's loop on the client's data)."""
+
+    local_steps: int = 10
+    """Optimizer steps per round (with ``local_epochs`` 0). More steps = fewer rounds to a
+    loss, but more client drift on non-IID data (FedProx's proximal term counters it)."""
+    local_epochs: float = 0.0
+    """Passes over the client's data per round instead of ``local_steps`` (0 = use steps)."""
+    batch_size: int = 16
+    """Global batch of the client's job (split among its ``nproc`` ranks)."""
+    optimizer: str = "sgd"
+    """``sgd`` (FedAvg's client optimizer; plain SGD makes FedAvg parity-testable) or
+    ``adamw`` (fresh state each round)."""
+    lr: float = 0.05
+    """Client learning rate (``eta_l``)."""
+    momentum: float = 0.0
+    """SGD momentum (0 = plain SGD)."""
+    nproc: int = 1
+    """Ranks of each client's own data-parallel job (> 1: a local torchrun-style job per round,
+    DDP or ZeRO; its update equals a 1-rank client's on the same data)."""
+    zero_stage: int = 0
+    """0 = DDP; 1, 2, 3 = ZeRO inside the client job (with ``nproc`` > 1)."""
+    def __post_init__(self) -> None:
+        for name in ("local_steps", "batch_size", "nproc"):
+            _positive("client", name, getattr(self, name))
+        if not (math.isfinite(self.local_epochs) and self.local_epochs >= 0):
+            raise ValueError(f"client.local_epochs must be >= 0, got {self.local_epochs}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"client.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        _positive("client", "lr", self.lr)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"client.momentum must be in [0, 1), got {self.momentum}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"client.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage and self.nproc == 1:
+            raise ValueError("client.zero_stage > 0 shards over the client's ranks: set client.nproc > 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """What is trained: the built-in GPT on the corpus, or the user's model, data and loss."""
+
+    model: str = ""
+    """``MODULE:FUNCTION`` returning the ``nn.Module``; empty = the built-in byte-level GPT on the
+    standard library's source (``--dataset`` must then be empty too)."""
+    dataset: str = ""
+    """``MODULE:FUNCTION`` returning the map-style training set of ``(input, target)`` pairs;
+    the clients split it by ``partition``."""
+    val_dataset: str = ""
+    """``MODULE:FUNCTION`` returning the held-out set the server evaluates the global model on
+    after each round (empty: no server-side loss for user data)."""
+    loss: str = ""
+    """``MODULE:FUNCTION`` ``(output, target) -> scalar``; empty = cross-entropy."""
+    max_bytes: int = 240_000
+    """Built-in corpus: bytes of standard-library source per client (whole packages)."""
+    block_size: int = 64
+    """Built-in GPT: context length in bytes."""
+
+    def __post_init__(self) -> None:
+        if bool(self.model) != bool(self.dataset):
+            raise ValueError("--model and --dataset go together (both empty = the built-in GPT)")
+        if not self.model and (self.val_dataset or self.loss):
+            raise ValueError("--val-dataset and --loss need --model and --dataset")
+        _positive("task", "max_bytes", self.max_bytes)
+        _positive("task", "block_size", self.block_size)
+
+    @property
+    def builtin(self) -> bool:
+        return not self.model
+
+
+@dataclass(kw_only=True, slots=True)
+class FederatedConfig:
+    """The federated run: clients, rounds, strategy, data split, deadline and state."""
+
+    clients: int = 3
+    """Number of clients (Flower SuperNodes), each with its own share of the data."""
+    rounds: int = 3
+    """Federated rounds to run (a resumed run continues to this number)."""
+    strategy: str = "fedavg"
+    """fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm (Flower's strategies)."""
+    fraction: float = 1.0
+    """Fraction of the connected clients sampled per round (at least ``min_clients``)."""
+    min_clients: int = 1
+    """A round needs this many answers by its deadline to update the model; fewer = the round
+    is recorded as failed and the model is kept."""
+    proximal_mu: float = 0.01
+    """FedProx's proximal weight mu: the client minimises loss + mu/2 ||w - w_global||^2."""
+    server_lr: float = 0.1
+    """Server learning rate eta of FedAdam/FedYogi/FedAdagrad (and FedAvgM's, as 1.0 default
+    would be plain FedAvg: FedAvgM uses ``server_lr`` only when set explicitly)."""
+    server_momentum: float = 0.9
+    """FedAvgM's server momentum."""
+    tau: float = 1e-3
+    """Adaptivity of FedAdam/FedYogi/FedAdagrad (their epsilon)."""
+    partition: str = "package"
+    """package (the built-in corpus split by standard-library package: natural non-IID) | iid |
+    dirichlet (label skew, ``alpha``) | shards (two label shards per client)."""
+    alpha: float = 0.5
+    """Dirichlet concentration: small = each client sees few labels (0.1 is strongly non-IID)."""
+    stragglers: float = 0.0
+    """Fraction of each round's sampled clients that do only part of their local steps (a
+    uniform draw in 1..steps, seeded per round): the FedProx paper's systems heterogeneity."""
+    straggler_policy: str = "keep"
+    """keep = aggregate the stragglers' partial work (FedProx) | drop = discard their updates
+    (FedAvg as that paper runs it)."""
+    round_timeout: float = 300.0
+    """Seconds a round waits for answers: a dead or silent client never stalls a round."""
+    seed: int = 1234
+    """Seeds the split, client sampling, the model and the clients' batches."""
+    run_dir: str = "runs/federated"
+    """Server state (checkpoint per round), the summary and the processes' logs go here."""
+    resume: str = "auto"
+    """auto = continue from ``run_dir``'s checkpoint when there is one; never = start afresh."""
+    client: ClientConfig = field(default_factory=ClientConfig)
+    """Local training of each client."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The model, data and loss."""
+
+    def __post_init__(self) -> None:
+        for name in ("clients", "rounds", "min_clients", "round_timeout"):
+            _positive("federated", name, getattr(self, name))
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
+            )
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"federated.fraction must be in (0, 1], got {self.fraction}")
+        if self.min_clients > self.clients:
+            raise ValueError(
+                f"min_clients ({self.min_clients}) is more than the {self.clients} clients"
+            )
+        if self.partition not in PARTITIONS:
+            raise ValueError(
+                f"unknown partition {self.partition!r}; choose one of {', '.join(PARTITIONS)}"
+            )
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"federated.alpha (Dirichlet concentration) must be > 0, got {self.alpha}")
+        if self.proximal_mu < 0:
+            raise ValueError(f"federated.proximal_mu must be >= 0, got {self.proximal_mu}")
+        _positive("federated", "server_lr", self.server_lr)
+        _positive("federated", "tau", self.tau)
+        if not 0.0 <= self.server_momentum < 1.0:
+            raise ValueError(f"federated.server_momentum must be in [0, 1), got {self.server_momentum}")
+        if not 0.0 <= self.stragglers < 1.0:
+            raise ValueError(f"federated.stragglers must be in [0, 1), got {self.stragglers}")
+        if self.straggler_policy not in ("keep", "drop"):
+            raise ValueError(
+                f"federated.straggler_policy must be keep or drop, got {self.straggler_policy!r}"
+            )
+        if self.resume not in ("auto", "never"):
+            raise ValueError(f"federated.resume must be auto or never, got {self.resume!r}")
+        if self.partition == "package" and not self.task.builtin:
+            raise ValueError("partition 'package' splits the built-in corpus; for --dataset use iid, dirichlet or shards")
+        if self.task.builtin and self.partition != "package":
+            if self.partition != "iid":
+                raise ValueError(
+                    f"partition {self.partition!r} needs class labels; the built-in corpus splits by package or iid"
+                )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FederatedConfig:
+        data = dict(data)
+        client = ClientConfig(**data.pop("client", {}))
+        task = TaskConfig(**data.pop("task", {}))
+        return cls(client=client, task=task, **data)

@@ -1,0 +1,314 @@
+"""The server's round loop on a Flower ``Grid``: sample, send, wait until the deadline, aggregate
+with a Flower strategy, evaluate, checkpoint, record.
+
+Flower's ``Strategy.start`` runs all rounds in one call; this loop calls the same strategy's
+``configure_train`` and ``aggregate_train`` itself so that after every round it can write a
+checkpoint (round, global model, the strategy's server optimizer state, the privacy accountant,
+the rounds so far) and a resumed server continues from it, and so that a round closes at
+``round_timeout`` with whoever answered (if at least ``min_clients`` did). Replies carry the
+client's metrics (``partition-id``, ``num-examples``, ``loss``, ``steps``, ``seconds``,
+``straggler``); the summary JSON holds one entry per round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torsh_distributed.federated.config import FederatedConfig
+from torsh_distributed.federated.strategies import (
+    build_strategy,
+    load_strategy_state,
+    strategy_state,
+)
+from torsh_distributed.federated.task import Task, evaluate
+
+__all__ = ["RoundLoop", "ServerCheckpoint", "wait_for_clients"]
+
+SUMMARY = "summary.json"
+_CKPT = "server"
+
+
+def wait_for_clients(grid: Any, count: int, *, timeout: float) -> int:
+    """Block until ``count`` clients are connected; returns how many are.
+
+    Raises:
+        TimeoutError: fewer connected within ``timeout`` seconds (naming how many did).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        connected = len(list(grid.get_node_ids()))
+        if connected >= count:
+            return connected
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"only {connected} of {count} clients connected within {timeout:.0f} s; "
+                "see the supernode logs"
+            )
+        time.sleep(0.5)
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What a checkpoint holds."""
+
+    round: int
+    """Last completed round."""
+    model: dict[str, torch.Tensor] = field(repr=False)
+    strategy: dict[str, Any] = field(default_factory=dict, repr=False)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """JSON-able state of other components (the privacy accountant)."""
+
+
+class ServerCheckpoint:
+    """``run_dir/server/round_NNNNN/`` directories, written whole then renamed (a killed save
+    leaves no directory that later loads), the newest two kept."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.root = Path(run_dir) / _CKPT
+
+    def save(self, state: ServerState) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"round_{state.round:05d}"
+        tmp = self.root / f".tmp_round_{state.round:05d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        torch.save(state.model, tmp / "model.pt")
+        torch.save(state.strategy, tmp / "strategy.pt")
+        meta = {"round": state.round, "rounds": state.rounds, "extra": state.extra}
+        (tmp / "state.json").write_text(json.dumps(meta))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(self.root.glob("round_*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def latest(self) -> ServerState | None:
+        """The newest complete checkpoint, or ``None``."""
+        for path in sorted(self.root.glob("round_*"), reverse=True):
+            try:
+                meta = json.loads((path / "state.json").read_text())
+                model = torch.load(path / "model.pt", weights_only=True)
+                strategy = torch.load(path / "strategy.pt", weights_only=True)
+            except (OSError, ValueError, RuntimeError):
+                continue  # incomplete or damaged: try an older one
+            return ServerState(
+                round=int(meta["round"]), model=model, strategy=strategy,
+                rounds=list(meta["rounds"]), extra=dict(meta.get("extra", {})),
+            )  # fmt: skip
+        return None
+
+
+def _metric(msg: Any, key: str, default: float = 0.0) -> float:
+    metrics = msg.content.get("metrics")
+    if metrics is None or key not in metrics:
+        return default
+    return float(metrics[key])
+
+
+class RoundLoop:
+    """Runs the rounds of ``config`` on ``grid`` (inside Flower's ``ServerApp``).
+
+    Args:
+        config: The run.
+        grid: Flower's grid (the deployment engine's connection to the SuperLink).
+        log: Where progress lines go (``print`` in the ServerApp: streamed by ``flwr run``).
+        hooks: Optional wrappers of the strategy (privacy) and of replies (decompression); see
+            :class:`RoundHooks`.
+    """
+
+    def __init__(
+        self,
+        config: FederatedConfig,
+        grid: Any,
+        *,
+        log: Callable[[str], None] = print,
+        hooks: RoundHooks | None = None,
+    ) -> None:
+        self.config, self.grid, self.log = config, grid, log
+        self.hooks = hooks or RoundHooks()
+        self.task = Task(config)
+        self.strategy = self.hooks.wrap_strategy(build_strategy(config))
+        self.checkpoint = ServerCheckpoint(config.run_dir)
+        self.val = self.task.val_dataset()
+        self.loss_fn = self.task.loss()
+        self.model = self.task.model()
+
+    def _evaluate(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        if self.val is None:
+            return {}
+        self.model.load_state_dict(state)
+        return evaluate(self.model, self.val, self.loss_fn, seed=self.config.seed)
+
+    def run(self) -> dict[str, Any]:
+        """All rounds (from the checkpoint's next one when resuming); returns the summary."""
+        from flwr.app import ArrayRecord, ConfigRecord
+
+        cfg = self.config
+        started = time.time()
+        state = self.checkpoint.latest() if cfg.resume == "auto" else None
+        rounds: list[dict[str, Any]] = []
+        first = 1
+        resumed_from = 0
+        global_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if state is not None:
+            global_state, rounds, first = state.model, state.rounds, state.round + 1
+            resumed_from = state.round
+            load_strategy_state(getattr(self.strategy, "inner", self.strategy), state.strategy)
+            self.hooks.load_state_dict(state.extra)
+            self.log(f"federated: resuming after round {state.round} of {cfg.rounds}")
+        connected = wait_for_clients(self.grid, min(cfg.clients, max(cfg.min_clients, 1)), timeout=120.0)
+        if first == 1:
+            wait_for_clients(self.grid, cfg.clients, timeout=120.0)
+            initial = self._evaluate(global_state)
+            if initial:
+                self.log(f"federated: round 0 (initial model) val loss {initial['loss']:.4f}")
+        self.log(
+            f"federated: {cfg.strategy}, {cfg.clients} clients ({connected} connected), rounds "
+            f"{first}..{cfg.rounds}, deadline {cfg.round_timeout:g} s per round"
+        )
+        arrays = ArrayRecord(global_state)
+        for server_round in range(first, cfg.rounds + 1):
+            arrays, record = self._round(server_round, arrays, ConfigRecord)
+            rounds.append(record)
+            global_state = arrays.to_torch_state_dict()
+            self.checkpoint.save(
+                ServerState(
+                    round=server_round, model=global_state,
+                    strategy=strategy_state(getattr(self.strategy, "inner", self.strategy)),
+                    rounds=rounds, extra=self.hooks.state_dict(),
+                )  # fmt: skip
+            )
+        summary = {
+            "strategy": cfg.strategy,
+            "clients": cfg.clients,
+            "rounds": rounds,
+            "resumed_from_round": resumed_from,
+            "wall_time_s": time.time() - started,
+            "config": json.loads(cfg.to_json()),
+            **self.hooks.summary(),
+        }
+        if rounds:
+            summary["final_loss"] = rounds[-1]["loss"]
+        _write_json(Path(cfg.run_dir) / SUMMARY, summary)
+        return summary
+
+    def _round(self, server_round: int, arrays: Any, config_record: Any) -> tuple[Any, dict[str, Any]]:
+        cfg = self.config
+        started = time.perf_counter()
+        random.seed(cfg.seed * 1_000_003 + server_round)  # Flower samples with `random`
+        train_config = config_record({"spec": cfg.to_json()})
+        messages = list(self.strategy.configure_train(server_round, arrays, train_config, self.grid))
+        sampled = len(messages)
+        down = sampled * arrays.count_bytes()
+        replies = list(self.grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        ok = [m for m in replies if not m.has_error()]
+        errors = [m.error.reason for m in replies if m.has_error()]
+        if cfg.straggler_policy == "drop":
+            ok = [m for m in ok if not _metric(m, "straggler")]
+        up = sum(self.hooks.reply_bytes(m) for m in ok)
+        clients = [
+            {
+                "partition_id": int(_metric(m, "partition-id", -1)),
+                "examples": int(_metric(m, "num-examples")),
+                "loss": _metric(m, "loss"),
+                "steps": int(_metric(m, "steps")),
+                "seconds": _metric(m, "seconds"),
+                "straggler": bool(_metric(m, "straggler")),
+                "bytes": self.hooks.reply_bytes(m),
+            }
+            for m in ok
+        ]
+        failed = len(ok) < cfg.min_clients
+        if not failed:
+            new_arrays, _ = self.strategy.aggregate_train(server_round, self.hooks.prepare(ok, arrays))
+            if new_arrays is not None:
+                arrays = new_arrays
+            else:
+                failed = True
+        weight = sum(c["examples"] for c in clients)
+        train_loss = sum(c["loss"] * c["examples"] for c in clients) / weight if weight else float("nan")
+        val = self._evaluate(arrays.to_torch_state_dict())
+        record: dict[str, Any] = {
+            "round": server_round,
+            "loss": val.get("loss", train_loss),
+            "train_loss": train_loss,
+            "val_loss": val.get("loss"),
+            "sampled": sampled,
+            "answered": len(ok),
+            "dropped": sampled - len(ok),
+            "failed": failed,
+            "clients": sorted(clients, key=lambda c: c["partition_id"]),
+            "bytes": {"down": down, "up": up, "total": down + up},
+            "seconds": time.perf_counter() - started,
+            **self.hooks.round_metrics(server_round, len(ok)),
+        }
+        if "accuracy" in val:
+            record["accuracy"] = val["accuracy"]
+        if errors:
+            record["errors"] = errors[:5]
+        self.log(_round_line(cfg, record))
+        return arrays, record
+
+
+def _round_line(cfg: FederatedConfig, r: dict[str, Any]) -> str:
+    parts = [f"federated: round {r['round']}/{cfg.rounds}"]
+    parts.append(f"loss {r['loss']:.4f}" if r["loss"] == r["loss"] else "loss n/a")
+    if "accuracy" in r:
+        parts.append(f"acc {r['accuracy']:.3f}")
+    parts.append(f"clients {r['answered']}/{r['sampled']}")
+    if r["failed"]:
+        parts.append(f"FAILED (< min_clients {cfg.min_clients}: model kept)")
+    parts.append(f"{r['bytes']['total'] / 1e6:.2f} MB")
+    if "epsilon" in r:
+        parts.append(f"eps {r['epsilon']:.3f}")
+    parts.append(f"{r['seconds']:.1f} s")
+    return ", ".join(parts)
+
+
+class RoundHooks:
+    """Extension points of the round loop; the default changes nothing.
+
+    Privacy wraps the strategy and keeps an accountant; compressed updates turn replies back
+    into weights before aggregation and count their bytes.
+    """
+
+    def wrap_strategy(self, strategy: Any) -> Any:
+        return strategy
+
+    def prepare(self, replies: list[Any], arrays: Any) -> Iterable[Any]:
+        """Replies as the strategy aggregates them (weights of the same shapes as ``arrays``)."""
+        return replies
+
+    def reply_bytes(self, reply: Any) -> int:
+        arrays = reply.content.get("arrays")
+        return int(arrays.count_bytes()) if arrays is not None else 0
+
+    def round_metrics(self, server_round: int, answered: int) -> dict[str, Any]:
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=float))
+    os.replace(tmp, path)

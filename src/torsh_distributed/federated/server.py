@@ -93,6 +93,18 @@ class ServerCheckpoint:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def mark_started(self, server_round: int) -> None:
+        """Record that ``server_round`` began (a resumed server reports it lost if unsaved)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        _write_json(self.root / "started.json", {"round": server_round})
+
+    def started_round(self) -> int:
+        """The last round that began (0 when none did)."""
+        try:
+            return int(json.loads((self.root / "started.json").read_text())["round"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
     def latest(self) -> ServerState | None:
         """The newest complete checkpoint, or ``None``."""
         for path in sorted(self.root.glob("round_*"), reverse=True):
@@ -161,12 +173,17 @@ class RoundLoop:
         first = 1
         resumed_from = 0
         global_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        lost = 0
         if state is not None:
             global_state, rounds, first = state.model, state.rounds, state.round + 1
             resumed_from = state.round
+            lost = max(0, self.checkpoint.started_round() - state.round)
             load_strategy_state(getattr(self.strategy, "inner", self.strategy), state.strategy)
             self.hooks.load_state_dict(state.extra)
-            self.log(f"federated: resuming after round {state.round} of {cfg.rounds}")
+            self.log(
+                f"federated: resuming after round {state.round} of {cfg.rounds} "
+                f"({lost} round(s) in progress were lost and are redone)"
+            )
         connected = wait_for_clients(self.grid, min(cfg.clients, max(cfg.min_clients, 1)), timeout=120.0)
         if first == 1:
             wait_for_clients(self.grid, cfg.clients, timeout=120.0)
@@ -179,6 +196,7 @@ class RoundLoop:
         )
         arrays = ArrayRecord(global_state)
         for server_round in range(first, cfg.rounds + 1):
+            self.checkpoint.mark_started(server_round)
             arrays, record = self._round(server_round, arrays, ConfigRecord)
             rounds.append(record)
             global_state = arrays.to_torch_state_dict()
@@ -194,6 +212,7 @@ class RoundLoop:
             "clients": cfg.clients,
             "rounds": rounds,
             "resumed_from_round": resumed_from,
+            "rounds_lost": lost,
             "wall_time_s": time.time() - started,
             "config": json.loads(cfg.to_json()),
             **self.hooks.summary(),

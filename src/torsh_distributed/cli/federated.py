@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torsh_distributed.federated.config import ClientConfig, FederatedConfig, TaskConfig
+from torsh_distributed.federated.privacy import PrivacyConfig
 
 __all__ = ["config_from_args", "register"]
 
@@ -41,7 +42,7 @@ _ALIASES = {"client.nproc": "--client-nproc", "client.zero_stage": "--client-zer
 
 
 def _sections() -> list[tuple[str, type]]:
-    return [("", FederatedConfig), ("client", ClientConfig), ("task", TaskConfig)]
+    return [("", FederatedConfig), ("client", ClientConfig), ("task", TaskConfig), ("privacy", PrivacyConfig)]
 
 
 def _scalar_fields(cls: type) -> list[dataclasses.Field[Any]]:
@@ -56,7 +57,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for _, cls in _sections():
         for f in _scalar_fields(cls):
             counts[f.name] = counts.get(f.name, 0) + 1
-    titles = {"": "rounds", "client": "each client's local training", "task": "model and data"}
+    titles = {
+        "": "rounds",
+        "client": "each client's local training",
+        "task": "model and data",
+        "privacy": "client-level differential privacy (DP-FedAvg; on with --noise-multiplier > 0)",
+    }
     for section, cls in _sections():
         group = parser.add_argument_group(titles[section])
         docs = _field_docs(cls)
@@ -76,7 +82,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> FederatedConfig:
     """The config of the given flags (defaults elsewhere), validated."""
-    data: dict[str, Any] = {"client": {}, "task": {}}
+    data: dict[str, Any] = {"client": {}, "task": {}, "privacy": {}}
     for key, value in vars(args).items():
         if value is None:
             continue

@@ -14,11 +14,18 @@ import json
 import time
 from pathlib import Path
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from torsh_distributed.federated.config import FederatedConfig
+from torsh_distributed.federated.updates import ctx_key
+
 __all__ = ["client_app", "server_app"]
+
+_CLIP = "clipping_norm"  # flwr.supercore.differential_privacy.KEY_CLIPPING_NORM
+_EF = "torsh-ef"  # this node's error-feedback residuals, kept across rounds by Flower
 
 client_app = ClientApp()
 server_app = ServerApp()
@@ -40,7 +47,6 @@ def _node_partition(context: Context, clients: int) -> int:
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
     from torsh_distributed.federated.client import train_round
-    from torsh_distributed.federated.config import FederatedConfig
 
     config_record = msg.content["config"]
     config = FederatedConfig.from_dict(json.loads(str(config_record["spec"])))
@@ -49,8 +55,12 @@ def _train(msg: Message, context: Context) -> Message:
     pid = _node_partition(context, config.clients)
     global_state = msg.content["arrays"].to_torch_state_dict()
     result = train_round(config, global_state, partition_id=pid, server_round=server_round, proximal_mu=mu)
+    state = result.state
+    if _CLIP in config_record:  # client-side clipping of DP: clip the update before it leaves
+        state = _clip(global_state, state, float(config_record[_CLIP]))
     metrics = MetricRecord(
         {
+            "weight": result.num_examples,
             "num-examples": result.num_examples,
             "partition-id": pid,
             "loss": result.loss,
@@ -59,19 +69,46 @@ def _train(msg: Message, context: Context) -> Message:
             "straggler": int(result.straggler),
         }
     )
-    content = RecordDict({"arrays": ArrayRecord(result.state), "metrics": metrics})
+    content = RecordDict({"metrics": metrics})
+    if config.compression == "none":
+        content["arrays"] = ArrayRecord(state)
+    else:
+        content["arrays"], content[ctx_key()] = _compress(config, global_state, state, context)
     return Message(content=content, reply_to=msg)
+
+
+def _clip(global_state: dict[str, torch.Tensor], state: dict[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:
+    from torsh_distributed.federated.privacy import clip_update
+
+    delta = {k: v - global_state[k] for k, v in state.items() if v.is_floating_point()}
+    clipped, _ = clip_update(delta, norm)
+    return {k: global_state[k] + clipped[k] if k in clipped else v for k, v in state.items()}
+
+
+def _compress(
+    config: FederatedConfig, global_state: dict[str, torch.Tensor], state: dict[str, torch.Tensor], context: Context
+) -> tuple[ArrayRecord, ConfigRecord]:
+    """The encoded update; error-feedback residuals stay in this node's ``Context.state``."""
+    from torsh_distributed.federated.updates import UpdateCodec
+
+    codec = UpdateCodec(config.compression, error_feedback=config.error_feedback, seed=config.seed)
+    residuals = context.state[_EF].to_torch_state_dict() if _EF in context.state else {}
+    payload, ctx, residuals = codec.encode(global_state, state, residuals)
+    if residuals:
+        context.state[_EF] = ArrayRecord(residuals)
+    return ArrayRecord(payload), ConfigRecord({"json": ctx})
 
 
 @server_app.main()
 def _main(grid: Grid, context: Context) -> None:
-    from torsh_distributed.federated.config import FederatedConfig
     from torsh_distributed.federated.server import RoundLoop
 
     spec = Path(str(context.run_config["spec"]))
     config = FederatedConfig.from_dict(json.loads(spec.read_text()))
     started = time.time()
-    summary = RoundLoop(config, grid, log=_log).run()
+    from torsh_distributed.federated.hooks import FederatedHooks
+
+    summary = RoundLoop(config, grid, log=_log, hooks=FederatedHooks(config)).run()
     _log(f"federated: done in {time.time() - started:.1f} s, summary {Path(config.run_dir) / 'summary.json'}")
     del summary
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torsh_distributed._checks import positive as _positive
+from torsh_distributed.federated.privacy import PrivacyConfig
 
 __all__ = ["ClientConfig", "FederatedConfig", "PARTITIONS", "STRATEGIES", "TaskConfig"]
 
@@ -143,8 +144,16 @@ class FederatedConfig:
     """Server state (checkpoint per round), the summary and the processes' logs go here."""
     resume: str = "auto"
     """auto = continue from ``run_dir``'s checkpoint when there is one; never = start afresh."""
+    compression: str = "none"
+    """Client-to-server updates: none | fp16 | bf16 | int8 | topk:R | sign |
+    powersgd:RANK (the toolkit's compressors on w_client - w_global; bytes per round fall, the
+    update gets noisier; see docs/federated.md)."""
+    error_feedback: bool = True
+    """Each client keeps what compression did not send and adds it to its next update."""
     client: ClientConfig = field(default_factory=ClientConfig)
     """Local training of each client."""
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """Client-level differential privacy (off unless ``noise_multiplier`` > 0)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The model, data and loss."""
 
@@ -181,6 +190,16 @@ class FederatedConfig:
             )
         if self.resume not in ("auto", "never"):
             raise ValueError(f"federated.resume must be auto or never, got {self.resume!r}")
+        if self.compression != "none":
+            from torsh_distributed.federated.updates import check_method
+
+            check_method(self.compression)
+        if self.privacy.enabled and self.strategy not in ("fedavg", "fedprox"):
+            raise ValueError(
+                f"DP accounting needs a FedAvg-style aggregation (fedavg or fedprox), not {self.strategy}"
+            )
+        if self.client.zero_stage and self.strategy == "fedprox":
+            raise ValueError("FedProx's proximal term needs DDP clients (client.zero_stage 0)")
         if self.partition == "package" and not self.task.builtin:
             raise ValueError("partition 'package' splits the built-in corpus; for --dataset use iid, dirichlet or shards")
         if self.task.builtin and self.partition != "package":
@@ -197,4 +216,10 @@ class FederatedConfig:
         data = dict(data)
         client = ClientConfig(**data.pop("client", {}))
         task = TaskConfig(**data.pop("task", {}))
-        return cls(client=client, task=task, **data)
+        privacy = PrivacyConfig(**data.pop("privacy", {}))
+        return cls(client=client, task=task, privacy=privacy, **data)
+
+    @property
+    def sampled_per_round(self) -> int:
+        """Clients sampled each round when all are connected (Flower's rule)."""
+        return max(int(self.clients * self.fraction), self.min_clients)

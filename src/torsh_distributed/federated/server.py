@@ -12,6 +12,7 @@ client's metrics (``partition-id``, ``num-examples``, ``loss``, ``steps``, ``sec
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -36,6 +37,11 @@ __all__ = ["RoundLoop", "ServerCheckpoint", "wait_for_clients"]
 
 SUMMARY = "summary.json"
 _CKPT = "server"
+_FILES = ("model.pt", "strategy.pt")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def wait_for_clients(grid: Any, count: int, *, timeout: float) -> int:
@@ -72,7 +78,8 @@ class ServerState:
 
 class ServerCheckpoint:
     """``run_dir/server/round_NNNNN/`` directories, written whole then renamed (a killed save
-    leaves no directory that later loads), the newest two kept."""
+    leaves no directory that later loads), with the SHA-256 of each file checked before loading
+    (a damaged one is skipped for the previous round's), the newest two kept."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.root = Path(run_dir) / _CKPT
@@ -85,7 +92,8 @@ class ServerCheckpoint:
         tmp.mkdir()
         torch.save(state.model, tmp / "model.pt")
         torch.save(state.strategy, tmp / "strategy.pt")
-        meta = {"round": state.round, "rounds": state.rounds, "extra": state.extra}
+        digests = {name: _sha256(tmp / name) for name in _FILES}
+        meta = {"round": state.round, "rounds": state.rounds, "extra": state.extra, "sha256": digests}
         (tmp / "state.json").write_text(json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -110,10 +118,12 @@ class ServerCheckpoint:
         for path in sorted(self.root.glob("round_*"), reverse=True):
             try:
                 meta = json.loads((path / "state.json").read_text())
+                if any(_sha256(path / name) != meta["sha256"][name] for name in _FILES):
+                    continue  # damaged after it was written: try an older one
                 model = torch.load(path / "model.pt", weights_only=True)
                 strategy = torch.load(path / "strategy.pt", weights_only=True)
-            except (OSError, ValueError, RuntimeError):
-                continue  # incomplete or damaged: try an older one
+            except (OSError, ValueError, KeyError):
+                continue  # incomplete: try an older one
             return ServerState(
                 round=int(meta["round"]), model=model, strategy=strategy,
                 rounds=list(meta["rounds"]), extra=dict(meta.get("extra", {})),
@@ -270,7 +280,7 @@ class RoundLoop:
             "clients": sorted(clients, key=lambda c: c["partition_id"]),
             "bytes": {"down": down, "up": up, "total": down + up},
             "seconds": time.perf_counter() - started,
-            **self.hooks.round_metrics(server_round, len(ok)),
+            **self.hooks.round_metrics(server_round, len(ok), not failed),
         }
         if "accuracy" in val:
             record["accuracy"] = val["accuracy"]
@@ -313,7 +323,8 @@ class RoundHooks:
         arrays = reply.content.get("arrays")
         return int(arrays.count_bytes()) if arrays is not None else 0
 
-    def round_metrics(self, server_round: int, answered: int) -> dict[str, Any]:
+    def round_metrics(self, server_round: int, answered: int, aggregated: bool) -> dict[str, Any]:
+        """Extra fields of the round's record (``aggregated``: the round updated the model)."""
         return {}
 
     def summary(self) -> dict[str, Any]:

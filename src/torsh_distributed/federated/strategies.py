@@ -32,7 +32,7 @@ def build_strategy(config: FederatedConfig) -> Any:
         "min_train_nodes": config.min_clients,
         "min_evaluate_nodes": 0,
         "min_available_nodes": config.min_clients,
-        "weighted_by_key": "num-examples",
+        "weighted_by_key": "weight",  # the sample count; 1 for every client under DP
     }
     name = config.strategy
     if name == "fedavg":

@@ -18,7 +18,11 @@ from torsh_distributed.federated.config import ClientConfig, FederatedConfig, Ta
 from torsh_distributed.federated.hooks import FederatedHooks
 from torsh_distributed.federated.privacy import PrivacyConfig
 from torsh_distributed.federated.server import ServerCheckpoint, ServerState
-from torsh_distributed.federated.strategies import build_strategy, load_strategy_state, strategy_state
+from torsh_distributed.federated.strategies import (
+    build_strategy,
+    load_strategy_state,
+    strategy_state,
+)
 from torsh_distributed.federated.task import Task
 from torsh_distributed.federated.updates import UpdateCodec
 

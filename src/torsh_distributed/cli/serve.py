@@ -1,4 +1,4 @@
-"""``torsh-dist serve``: an HTTP completion server for a training checkpoint.
+"""``torsh-dist serve``: an OpenAI-compatible HTTP server for a training checkpoint.
 
 Parses the flags into a :class:`~torsh_distributed.inference.server.ServerConfig` (validated
 here, before anything loads) and runs
@@ -11,10 +11,12 @@ a command line: the ranks re-read it from the same variable or file.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["register", "main"]
@@ -22,16 +24,19 @@ __all__ = ["register", "main"]
 _EPILOG = """\
 examples:
   torsh-dist serve --checkpoint runs/ckpt --port 8000
-  curl -s localhost:8000/v1/completions -d '{"prompt": "def main():", "max_new_tokens": 32, "temperature": 0}'
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "ckpt", "prompt": "def main():", "max_tokens": 32, "temperature": 0}'
   curl -sN localhost:8000/v1/completions -d '{"prompt": "import ", "stream": true}'   # SSE
-  # two tensor-parallel ranks; batches of up to 16 requests, waiting up to 10 ms for them
-  torsh-dist serve --checkpoint runs/ckpt --port 8000 --tp 2 --max-batch-size 16 --batch-wait-ms 10
-  # reachable from other machines: a token is required
+  # the official client: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="EMPTY")
+  # two tensor-parallel ranks; up to 16 rows decoded together
+  torsh-dist serve --checkpoint runs/ckpt --port 8000 --tp 2 --max-batch-size 16
+  # reachable from other machines: a token is required (the client's api_key)
   export TORSH_SERVE_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')
   torsh-dist serve --checkpoint runs/ckpt --host 0.0.0.0 --port 8000 --token-env TORSH_SERVE_TOKEN
   curl -s -H "Authorization: Bearer $TORSH_SERVE_TOKEN" HOST:8000/metrics
 
-Routes: POST /v1/completions, GET /health, GET /metrics (Prometheus text). See docs/inference.md.
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
+GET /metrics (Prometheus text). See docs/inference.md.
 """
 
 _DTYPES = ("float32", "bfloat16", "float64")
@@ -42,7 +47,10 @@ _FORWARDED = (
     "port",
     "token_env",
     "token_file",
+    "model_name",
+    "scheduler",
     "max_batch_size",
+    "max_batch_tokens",
     "batch_wait_ms",
     "max_new_tokens_limit",
     "max_total_tokens",
@@ -94,32 +102,55 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="same, the token read from the first line of FILE (chmod 600)",
     )
     parser.add_argument(
+        "--model-name",
+        default=None,
+        metavar="NAME",
+        help="the model's id in /v1/models and in requests' \"model\". Default: the name of "
+        "the --checkpoint directory",
+    )
+    parser.add_argument(
+        "--scheduler",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="continuous: requests join and leave the running batch between decoding steps; "
+        "static: a batch runs until its longest request ends. Default: continuous",
+    )
+    parser.add_argument(
         "--max-batch-size",
         type=int,
         default=8,
         metavar="B",
-        help="requests decoded together at most. Default: 8",
+        help="rows (requests x n) decoded together at most. Default: 8",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        metavar="T",
+        help="continuous: tokens one decoding step may feed (running rows + joining prompts). "
+        "Default: 2048",
     )
     parser.add_argument(
         "--batch-wait-ms",
         type=float,
         default=5.0,
         metavar="W",
-        help="after a request arrives, wait up to W ms for others to join its batch. Default: 5",
+        help="static: after a request arrives, wait up to W ms for others to join its batch. "
+        "Default: 5",
     )
     parser.add_argument(
         "--max-new-tokens-limit",
         type=int,
         default=256,
         metavar="L",
-        help="largest max_new_tokens a request may ask for. Default: 256",
+        help="largest max_tokens a request may ask for. Default: 256",
     )
     parser.add_argument(
         "--max-total-tokens",
         type=int,
         default=None,
         metavar="T",
-        help="refuse prompt + max_new_tokens above T. Default: no limit beyond the model's context",
+        help="refuse prompt + max_tokens above T. Default: no limit beyond the model's context",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -133,7 +164,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         metavar="Q",
-        help="requests waiting at most (503 above). Default: 256",
+        help="rows waiting at most (503 above). Default: 256",
     )
     parser.add_argument(
         "--request-timeout-s",
@@ -154,11 +185,18 @@ def _config(args: argparse.Namespace) -> Any:
     from torsh_distributed.inference.serve import read_token
     from torsh_distributed.inference.server import ServerConfig
 
+    path = Path(args.checkpoint)
+    if path.name.startswith("step_"):  # one step of a run: the run's name
+        path = path.parent
+    name = args.model_name or path.name or "torsh-gpt"
     return ServerConfig(
         host=args.host,
         port=args.port,
         token=read_token(env=args.token_env, file=args.token_file),
+        model_name=name,
+        scheduler=args.scheduler,
         max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens,
         batch_wait_ms=args.batch_wait_ms,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_total_tokens=args.max_total_tokens,
@@ -180,6 +218,11 @@ def _run_here(args: argparse.Namespace, config: Any) -> int:
 def _handle(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"torsh-dist serve needs {' and '.join(missing)}: pip install 'torsh-distributed[serve]'"
+        )
     # load the modules first: recording every warning while they import would print any
     # import-time deprecation of torch's as if it were about these settings
     import torsh_distributed.inference.serve  # noqa: F401
@@ -210,13 +253,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     parser = sub.add_parser(
         "serve",
-        help="serve a checkpoint over HTTP: batched completions, streaming, metrics",
+        help="serve a checkpoint over the OpenAI API: completions, chat, streaming, metrics",
         description=(
-            "Serve the built-in GPT of a training checkpoint over HTTP: POST /v1/completions "
-            '(JSON, or server-sent events with "stream": true), GET /health, GET /metrics. '
-            "Requests that arrive together are decoded as one batch. Binds 127.0.0.1 unless "
-            "--host says otherwise; a non-loopback address requires a token. Stops cleanly on "
-            "SIGTERM or Ctrl-C."
+            "Serve the built-in GPT of a training checkpoint over OpenAI's HTTP API (FastAPI on "
+            "uvicorn): GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, "
+            'or server-sent events with "stream": true), GET /health, GET /metrics. Requests '
+            "join and leave the running batch between decoding steps (continuous batching). "
+            "Binds 127.0.0.1 unless --host says otherwise; a non-loopback address requires a "
+            "token. Stops cleanly on SIGTERM or Ctrl-C."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

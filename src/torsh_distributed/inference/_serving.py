@@ -1,17 +1,15 @@
-"""The machinery behind :mod:`torsh_distributed.inference.server` (private): request parsing,
-the queue that forms batches, decoding a batch with per-request failure isolation, the
+"""The machinery behind :mod:`torsh_distributed.inference.server` (private): the rows waiting
+for the model worker and the queue that forms batches, decoding a batch with per-request failure isolation, the
 tensor-parallel batch broadcast and the Prometheus metrics.
 
-Nothing here unpickles anything: requests are JSON parsed into plain values and checked field
-by field, and the batches rank 0 sends to the other tensor-parallel ranks travel as JSON bytes in
+Nothing here unpickles anything: the batches rank 0 sends to the other tensor-parallel ranks travel as JSON bytes in
 a ``uint8`` tensor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
-import queue
 import threading
 import time
 from collections import deque
@@ -26,165 +24,59 @@ from torsh_distributed.inference.generate import GenerationResult, TextGenerator
 from torsh_distributed.inference.sampling import SamplingConfig
 
 __all__ = [
-    "RequestError",
-    "CompletionRequest",
-    "parse_completion",
+    "Sink",
     "Pending",
-    "answer",
     "BatchQueue",
     "decode_batch",
     "broadcast_json",
     "ServingMetrics",
 ]
 
-FIELDS: dict[str, str] = {
-    "prompt": "a non-empty string",
-    "max_new_tokens": "an int >= 1",
-    "temperature": "a number >= 0 (0 = greedy)",
-    "top_k": "an int >= 0 (0 = off)",
-    "top_p": "a number in (0, 1]",
-    "seed": "an int in [0, 2**64)",
-    "stop": "a list of non-empty strings",
-    "stream": "true or false",
-}
-"""The fields of ``POST /v1/completions`` and what each must be."""
 
-_SAMPLING_NAMES = {"sampling.stop_strings": "stop", "sampling.": ""}
+class Sink:
+    """Where the model worker sends one HTTP request's events: an ``asyncio`` queue on the
+    server's event loop, fed thread-safely from the worker thread. Events are
+    ``("token", choice, token_id)``, ``("done", choice, GenerationResult)`` and
+    ``("error", choice, (status, message))``."""
 
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
 
-class RequestError(ValueError):
-    """A request the server refuses: its HTTP status and a message naming the field."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(kw_only=True, slots=True)
-class CompletionRequest:
-    """One validated completion request."""
-
-    prompt_tokens: list[int]
-    """The encoded prompt."""
-    sampling: SamplingConfig
-    """Its sampling settings (``stop`` is ``stop_strings``)."""
-    stream: bool
-    """Answer as server-sent events, one per token, then a final one."""
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
-
-
-def parse_completion(
-    body: bytes,
-    *,
-    encode: Callable[[str], list[int]],
-    max_seq_len: int | None,
-    max_new_tokens_limit: int,
-    max_total_tokens: int | None,
-    default_max_new_tokens: int,
-) -> CompletionRequest:
-    """A :class:`CompletionRequest` from a request body, or :class:`RequestError` (400) whose
-    message names the offending field.
-
-    Checks, in order: UTF-8 JSON object, unknown fields, types, the prompt's length against the
-    model's context, ``max_new_tokens`` against the server's limit, prompt plus
-    ``max_new_tokens`` against ``max_total_tokens``, and the sampling values themselves.
-    """
-    try:
-        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RequestError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(FIELDS))
-    if unknown:
-        raise RequestError(
-            400, f"unknown field(s): {', '.join(unknown)} (known: {', '.join(FIELDS)})"
-        )
-    if "prompt" not in data:
-        raise RequestError(400, "missing field: prompt (a non-empty string)")
-    checks: dict[str, Callable[[object], bool]] = {
-        "prompt": lambda v: isinstance(v, str) and bool(v),
-        "max_new_tokens": _is_int,
-        "temperature": _is_number,
-        "top_k": _is_int,
-        "top_p": _is_number,
-        "seed": _is_int,
-        "stop": lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-        "stream": lambda v: isinstance(v, bool),
-    }
-    for name, value in data.items():
-        if not checks[name](value):
-            raise RequestError(400, f"{name} must be {FIELDS[name]}, got {json.dumps(value)[:80]}")
-    tokens = encode(data["prompt"])
-    if not tokens:
-        raise RequestError(400, "prompt encodes to no tokens")
-    if max_seq_len is not None and len(tokens) > max_seq_len:
-        raise RequestError(
-            400,
-            f"prompt is {len(tokens)} tokens, longer than the model's context of {max_seq_len}",
-        )
-    new = data.get("max_new_tokens", default_max_new_tokens)
-    if new > max_new_tokens_limit:
-        raise RequestError(
-            400, f"max_new_tokens must be <= {max_new_tokens_limit} (the server's limit), got {new}"
-        )
-    if max_total_tokens is not None and len(tokens) + new > max_total_tokens:
-        raise RequestError(
-            400,
-            f"prompt ({len(tokens)} tokens) + max_new_tokens ({new}) is over the server's limit "
-            f"of {max_total_tokens} tokens",
-        )
-    try:
-        sampling = SamplingConfig(
-            max_new_tokens=new,
-            temperature=data.get("temperature", 1.0),
-            top_k=data.get("top_k", 0),
-            top_p=data.get("top_p", 1.0),
-            seed=data.get("seed", 0),
-            stop_strings=tuple(data.get("stop", ())),
-        )
-    except ValueError as exc:
-        message = str(exc)
-        for old, new_name in _SAMPLING_NAMES.items():
-            message = message.replace(old, new_name)
-        raise RequestError(400, message) from None
-    return CompletionRequest(
-        prompt_tokens=tokens, sampling=sampling, stream=bool(data.get("stream", False))
-    )
+    def put(self, event: tuple[str, int, Any]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
 
 @dataclass(kw_only=True, eq=False)
 class Pending:
-    """A request waiting for, or being decoded by, the model worker.
+    """One row (a choice of a request) waiting for, or being decoded by, the model worker.
 
-    The worker puts ``("token", id)`` events (streaming only), then exactly one
-    ``("done", GenerationResult)`` or ``("error", (status, message))`` on :attr:`events`; the
-    HTTP thread that owns the request reads them.
+    The worker sends ``("token", choice, id)`` events (streaming only), then exactly one
+    ``("done", choice, GenerationResult)`` or ``("error", choice, (status, message))`` to
+    :attr:`sink`, which the request's handler reads.
     """
 
-    request: CompletionRequest
+    prompt_tokens: list[int]
+    sampling: SamplingConfig
+    stream: bool
+    choice: int
+    """Its index among the request's choices."""
+    sink: Sink
     arrived: float = field(default_factory=time.perf_counter)
     """When the request was accepted (``time.perf_counter``): latencies count the queue."""
-    events: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
     started: float | None = None
-    """When its batch began decoding."""
+    """When its decoding began."""
     finished: float | None = None
+    cancelled: bool = False
+    """Set by the handler when its client went away: a continuous batch drops the row."""
     _sent: int = 0
     _attempt_pos: int = 0
 
     def begin_attempt(self) -> None:
-        """A decode of this request starts (again, after a failed batch): tokens already
+        """A decode of this row starts (again, after a failed batch): tokens already
         streamed are not sent twice (a retry regenerates them identically)."""
         self._attempt_pos = 0
         if self.started is None:
@@ -192,17 +84,17 @@ class Pending:
 
     def token(self, token: int) -> None:
         self._attempt_pos += 1
-        if self.request.stream and self._attempt_pos > self._sent:
+        if self.stream and self._attempt_pos > self._sent:
             self._sent = self._attempt_pos
-            self.events.put(("token", token))
+            self.sink.put(("token", self.choice, token))
 
     def done(self, result: GenerationResult) -> None:
         self.finished = time.perf_counter()
-        self.events.put(("done", result))
+        self.sink.put(("done", self.choice, result))
 
     def fail(self, status: int, message: str) -> None:
         self.finished = time.perf_counter()
-        self.events.put(("error", (status, message)))
+        self.sink.put(("error", self.choice, (status, message)))
 
 
 class BatchQueue:
@@ -223,14 +115,32 @@ class BatchQueue:
         with self._cond:
             return len(self._items)
 
-    def put(self, item: Pending) -> bool:
-        """Queue ``item``; ``False`` when the queue is full or closed."""
+    def put(self, items: Sequence[Pending]) -> bool:
+        """Queue all of ``items`` (one request's rows) or none: ``False`` when they do not fit
+        or the queue is closed."""
         with self._cond:
-            if self._closed or len(self._items) >= self.max_size:
+            if self._closed or len(self._items) + len(items) > self.max_size:
                 return False
-            self._items.append(item)
+            self._items.extend(items)
             self._cond.notify()
             return True
+
+    def take(self, *, fits: Callable[[Pending], bool], wait_s: float) -> list[Pending] | None:
+        """The queued rows, in arrival order, while ``fits(row)`` (called once per row taken,
+        so it can count), waiting up to ``wait_s`` for a first one.
+
+        Returns:
+            The rows (maybe ``[]``); ``None`` once closed and empty.
+        """
+        with self._cond:
+            if wait_s > 0:
+                self._cond.wait_for(lambda: self._items or self._closed, timeout=wait_s)
+            if self._closed and not self._items:
+                return None
+            out = []
+            while self._items and fits(self._items[0]):
+                out.append(self._items.popleft())
+            return out
 
     def next_batch(
         self, *, max_batch_size: int, wait_s: float, idle_s: float
@@ -262,27 +172,6 @@ class BatchQueue:
             self._items.clear()
             self._cond.notify_all()
             return left
-
-
-def answer(pending: Pending, result: GenerationResult) -> dict[str, Any]:
-    """The JSON answer to a completed request."""
-    assert pending.started is not None and pending.finished is not None
-    queue_s = pending.started - pending.arrived
-    return {
-        "completion": result.text,
-        "tokens": result.tokens,
-        "stop_reason": result.stop_reason,
-        "usage": {
-            "prompt_tokens": len(result.prompt_tokens),
-            "completion_tokens": len(result.tokens),
-            "total_tokens": len(result.prompt_tokens) + len(result.tokens),
-        },
-        "timing": {
-            "queue_s": queue_s,
-            "ttft_s": queue_s + result.time_to_first_token_s,
-            "total_s": pending.finished - pending.arrived,
-        },
-    }
 
 
 def decode_batch(

@@ -1,60 +1,69 @@
-"""An HTTP completion server: requests that arrive together are decoded as one batch.
+"""An OpenAI-compatible completion server on FastAPI and uvicorn, batching continuously.
 
-``POST /v1/completions`` takes ``{"prompt": ..., "max_new_tokens": ..., "temperature": ...,
-"top_k": ..., "top_p": ..., "seed": ..., "stop": [...], "stream": ...}`` (only ``prompt``
-required) and answers ``{"completion", "tokens", "stop_reason", "usage", "timing"}``, or with
-``"stream": true`` server-sent events: one ``token`` event per token, then one ``done`` event
-holding the whole answer. ``GET /health`` says whether the model worker is up (and, to an
-authorised caller, what model it serves); ``GET /metrics`` is the Prometheus text. Errors are
-``{"error": message}`` with a 4xx/5xx status; the message names the field at fault.
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI's
+request fields and response shapes, ``"stream": true`` as OpenAI's server-sent-event chunks
+ending in ``data: [DONE]``, errors as ``{"error": {"message", "type", "param", "code"}}``; see
+:mod:`~torsh_distributed.inference._openai` for what is honoured and refused), ``GET /health``
+(whether the model worker is up and, to an authorised caller, what it serves) and
+``GET /metrics`` (Prometheus text). Chat prompts are rendered by a
+:class:`~torsh_distributed.inference.chat.ChatTemplate`.
 
-**Batching.** HTTP threads parse and validate each request, then queue it. One model worker
-thread takes up to ``max_batch_size`` queued requests (after the first arrives it waits up to
-``batch_wait_ms`` for others to join), decodes them as one batch with per-row sampling settings
-(:func:`~torsh_distributed.inference.generate.generate_batch`), and answers each. A batch ends
-when its longest row ends (static batching; continuous batching is not built). Batching does not
-change a row's tokens (see :mod:`~torsh_distributed.inference.generate`). If a batch fails, each
-of its requests is decoded alone, so a request that breaks generation gets a 500 and the others
-their completions.
+**Scheduling.** The HTTP side (FastAPI on uvicorn's event loop, one thread) validates each
+request, turns it into rows (prompts x ``n``) and queues them. One model worker thread decodes:
 
-**Tensor parallelism.** On a tp group of N ranks only the group's first rank serves HTTP. Before
-each batch it sends the batch (token ids and sampling settings, as JSON bytes in a tensor) to
-the other ranks, which run :func:`follow`; all decode together. An idle server sends a heartbeat
-every few seconds so that the others' waits never reach the process group's timeout, and a
-``stop`` message when it closes.
+* ``scheduler="continuous"`` (default): iteration-level scheduling. Between two decoding steps
+  queued rows join the running batch (up to ``max_batch_size`` rows and ``max_batch_tokens``
+  tokens fed per step) and finished rows leave it, each row in its own KV-cache slots
+  (:mod:`~torsh_distributed.inference._continuous`). Needs a model with ``forward_cached`` and
+  a length bound (``max_seq_len`` or ``max_total_tokens``); otherwise the server warns and
+  batches statically.
+* ``scheduler="static"``: the worker takes up to ``max_batch_size`` queued rows (waiting up to
+  ``batch_wait_ms`` for others to join the first) and decodes them until the longest ends.
+
+Either way a row's tokens are those ``generate`` gives it alone (see
+:mod:`~torsh_distributed.inference.generate`). A forward that raises is retried row by row, so
+a request that breaks generation gets a 500 and the others their completions.
+
+**Tensor parallelism.** On a tp group of N ranks only the group's first rank serves HTTP. It
+sends the other ranks, which run :func:`follow`, what to decode (JSON bytes in a tensor): each
+static batch, or each continuous step's joining rows and cancellations; all decode together. An
+idle server sends a heartbeat every few seconds so that the others' waits never reach the
+process group's timeout, and a ``stop`` message when it closes.
 
 **Security.** Binds ``127.0.0.1`` by default. Any other address requires a token
 (:class:`ServerConfig` refuses to start without one); with a token every route but ``/health``
 needs ``Authorization: Bearer <token>`` (compared in constant time), and ``/health`` tells an
 unauthorised caller only whether the server is up. Request bodies are size-limited and parsed as
-JSON; nothing a client sends is unpickled or evaluated. There is no TLS: put a TLS-terminating
-proxy in front of a server reachable beyond the host.
+JSON by pydantic models; nothing a client sends is unpickled or evaluated. There is no TLS: put a
+TLS-terminating proxy in front of a server reachable beyond the host.
 """
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
+import socket
 import sys
 import threading
+import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
-from torsh_distributed.inference._http import InFlight, bind
+from torsh_distributed.inference import _openai as oa
+from torsh_distributed.inference._continuous import ContinuousBatcher, Join, continuous_max_len
 from torsh_distributed.inference._serving import (
     BatchQueue,
     Pending,
-    RequestError,
     ServingMetrics,
-    answer,
+    Sink,
     broadcast_json,
     decode_batch,
-    parse_completion,
 )
+from torsh_distributed.inference.chat import PYTHON_COMMENTS, ChatTemplate
 from torsh_distributed.inference.generate import GenerationResult, TextGenerator
 from torsh_distributed.inference.protocol import max_seq_len_of
 from torsh_distributed.inference.sampling import SamplingConfig
@@ -64,6 +73,9 @@ __all__ = ["ServerConfig", "InferenceServer", "follow", "is_loopback", "MIN_TOKE
 MIN_TOKEN_LENGTH = 16
 HEARTBEAT_S = 5.0
 """Seconds between the idle messages rank 0 sends the other tensor-parallel ranks."""
+BACKLOG = 1024
+"""Connections the kernel queues before the server accepts them."""
+SCHEDULERS = ("continuous", "static")
 
 
 def is_loopback(host: str) -> bool:
@@ -100,22 +112,33 @@ class ServerConfig:
     """Shared secret: every request but ``/health`` must send ``Authorization: Bearer
     <token>``. At least 16 characters (``python -c 'import secrets;
     print(secrets.token_urlsafe(32))'``). ``None`` = no authentication (loopback only)."""
+    model_name: str = "torsh-gpt"
+    """The model's id in ``GET /v1/models`` and in answers; a request naming another is 404."""
+    scheduler: Literal["continuous", "static"] = "continuous"
+    """``continuous``: rows join and leave the running batch between decoding steps;
+    ``static``: a batch runs until its longest row ends (see the module doc)."""
     max_batch_size: int = 8
-    """Requests decoded together at most. Larger batches raise throughput (each step's weight
-    reads are shared) at the cost of KV-cache memory and of every row waiting for the longest."""
+    """Rows (choices) decoded together at most. Larger batches raise throughput (each step's
+    weight reads are shared) at the cost of KV-cache memory (continuous batching reserves
+    ``max_batch_size x context`` slots per layer) and of each step's time."""
+    max_batch_tokens: int = 2048
+    """Continuous batching: tokens one step may feed (one per running row plus the prompts of
+    the rows joining). Lower bounds the delay a long prompt joining adds to the running rows'
+    next token; higher lets more rows join at once. A lone row always fits."""
     batch_wait_ms: float = 5.0
-    """After a request arrives, how long the worker waits for others to join its batch: higher
-    batches more under light load at the cost of that much added latency; 0 = take what is
-    queued."""
+    """Static batching: after a request arrives, how long the worker waits for others to join
+    its batch: higher batches more under light load at the cost of that much added latency;
+    0 = take what is queued."""
     max_new_tokens_limit: int = 256
-    """The largest ``max_new_tokens`` a request may ask for (400 above it)."""
+    """The largest ``max_tokens`` a request may ask for (400 above it)."""
     max_total_tokens: int | None = None
-    """Prompt plus ``max_new_tokens`` at most (400 above it); ``None`` = no limit beyond the
-    model's context, where generation stops with ``stop_reason == "max_length"``."""
+    """Prompt plus ``max_tokens`` at most (400 above it); ``None`` = no limit beyond the
+    model's context, where generation stops with ``finish_reason == "length"``."""
     max_body_bytes: int = 1 << 20
     """Largest request body accepted (413 above it)."""
     max_queued_requests: int = 256
-    """Requests waiting at most; more are refused with 503 rather than queued without bound."""
+    """Rows (choices) waiting at most; more are refused with 503 rather than queued without
+    bound. Also the most choices one request may ask for (prompts x ``n``)."""
     request_timeout_s: float = 600.0
     """A request not answered within this many seconds gets 504."""
 
@@ -142,8 +165,17 @@ class ServerConfig:
                 "requests, so a token is required (--token-env VAR or --token-file FILE); bind "
                 "127.0.0.1 to serve this machine only"
             )
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ValueError(
+                f"server.model_name must be a non-empty string, got {self.model_name!r}"
+            )
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"server.scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
+            )
         for name in (
             "max_batch_size",
+            "max_batch_tokens",
             "max_new_tokens_limit",
             "max_body_bytes",
             "max_queued_requests",
@@ -155,6 +187,27 @@ class ServerConfig:
         _positive("request_timeout_s", self.request_timeout_s, kind=float)
 
 
+def _vocab_size(model: object) -> int | None:
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot serve on {host}:{port} ({exc.strerror}); choose another --port"
+        ) from exc
+    sock.listen(BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
 class InferenceServer:
     """Serves :class:`TextGenerator` completions over HTTP until :meth:`close` (see the module
     doc). Starts listening and its model worker at construction.
@@ -163,8 +216,10 @@ class InferenceServer:
         generator: The model and tokenizer. Under tensor parallelism (its ``tp_group`` has more
             than one rank) this is the group's first rank, and every other rank runs
             :func:`follow` with its own generator.
-        config: Address, token, batching and limits.
+        config: Address, token, scheduling and limits.
         model_info: What ``/health`` reports about the model to authorised callers (JSON data).
+        chat_template: How ``/v1/chat/completions`` renders messages into a prompt; default the
+            built-in GPT's :data:`~torsh_distributed.inference.chat.PYTHON_COMMENTS`.
 
     Raises:
         OSError: the address cannot be bound (the message names it).
@@ -176,39 +231,88 @@ class InferenceServer:
         config: ServerConfig,
         *,
         model_info: dict[str, Any] | None = None,
+        chat_template: ChatTemplate = PYTHON_COMMENTS,
     ) -> None:
+        import uvicorn
+
+        from torsh_distributed.inference._http import make_app
+
         self.generator = generator
         self.config = config
         self.model_info = dict(model_info or {})
+        self.chat_template = chat_template
         self.metrics = ServingMetrics()
+        self.created = int(time.time())
         self.max_seq_len = (
             generator.max_seq_len
             if generator.max_seq_len is not None
             else max_seq_len_of(generator.model)
         )
+        self._limits = oa.Limits(
+            max_seq_len=self.max_seq_len,
+            max_new_tokens_limit=config.max_new_tokens_limit,
+            max_total_tokens=config.max_total_tokens,
+            max_rows=config.max_queued_requests,
+            vocab_size=_vocab_size(generator.model),
+        )
         group = generator.tp_group
         self._group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.scheduler = config.scheduler
+        self._slots = continuous_max_len(generator, config.max_total_tokens)
+        if self.scheduler == "continuous" and self._slots is None:
+            warnings.warn(
+                "server.scheduler 'continuous' needs a model with forward_cached (a KV cache) "
+                "and a length bound (max_seq_len or server.max_total_tokens): batching "
+                "statically",
+                stacklevel=2,
+            )
+            self.scheduler = "static"
         self._queue = BatchQueue(max_size=config.max_queued_requests)
         self._closing = threading.Event()
         self._failure: BaseException | None = None
+        self._live: dict[int, Pending] = {}
         self._current: list[Pending] = []
-        self._handlers = InFlight()
-        self._httpd = bind(self, self._handlers)
-        self.host, self.port = self._httpd.server_address[:2]
+        sock = _bind(config.host, config.port)
+        self.host, self.port = sock.getsockname()[:2]
+        self._uvicorn = uvicorn.Server(
+            uvicorn.Config(
+                make_app(self),
+                log_level="warning",
+                access_log=False,
+                server_header=False,
+                ws="none",
+                lifespan="off",
+                timeout_keep_alive=5,
+                timeout_graceful_shutdown=5,
+                backlog=BACKLOG,
+            )
+        )
         self._worker = threading.Thread(target=self._work, name="torsh-serve-model", daemon=True)
         self._worker.start()
         self._http = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.2},
+            target=self._uvicorn.run,
+            kwargs={"sockets": [sock]},
             name="torsh-serve-http",
             daemon=True,
         )
         self._http.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started and self._http.is_alive():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start within 30 s")
+            time.sleep(0.01)
+        if not self._uvicorn.started:
+            self.close()
+            raise RuntimeError("the HTTP server stopped while starting (see the log)")
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in str(self.host) else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
 
     @property
     def healthy(self) -> bool:
@@ -227,37 +331,91 @@ class InferenceServer:
         self.close()
 
     def close(self, *, timeout: float = 60.0) -> None:
-        """Stop: refuse new connections, answer queued requests with 503, let the batch being
-        decoded finish and be answered, release the other tensor-parallel ranks, free the port.
-        Safe to call twice."""
+        """Stop: answer queued requests with 503, let the rows being decoded finish and be
+        answered, release the other tensor-parallel ranks, stop accepting connections (uvicorn's
+        graceful shutdown lets open answers finish, 5 s at most), free the port. Safe to call
+        twice."""
         if self._closing.is_set():
             return
         self._closing.set()
-        self._httpd.shutdown()
         for pending in self._queue.close():
             pending.fail(503, "the server is shutting down")
         self._worker.join(timeout=timeout)
-        self._handlers.wait_idle(timeout=5.0)  # let handlers write the last answers
-        self._httpd.server_close()
-        self._http.join(timeout=5.0)
+        self._uvicorn.should_exit = True
+        self._http.join(timeout=15.0)
+
+    # -- the HTTP side's calls (see _http.App) -------------------------------------------
+    def health(self, authorized: bool) -> tuple[int, dict[str, Any]]:
+        """``/health``'s status and body; model details only for an authorised caller."""
+        if self.healthy:
+            status, body = 200, {"status": "ok"}
+        else:
+            status, body = 503, {"status": "failed" if self._failure else "stopping"}
+        if authorized:
+            tp = 1 if self._group is None else dist.get_world_size(self._group)
+            body.update(
+                model=self.model_info,
+                model_name=self.model_name,
+                tp=tp,
+                scheduler=self.scheduler,
+                max_seq_len=self.max_seq_len,
+                max_batch_size=self.config.max_batch_size,
+                max_new_tokens_limit=self.config.max_new_tokens_limit,
+                queued=len(self._queue),
+                running=len(self._live) or len(self._current),
+            )
+        return status, body
+
+    def models(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": self.model_name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "torsh-distributed",
+                "max_model_len": self.max_seq_len,
+            }
+        ]
+
+    def decoder(self) -> Callable[[list[int]], str]:
+        return self.generator.decode
+
+    def plan(self, kind: str, body: bytes) -> oa.Plan:
+        """A request body parsed and checked against the limits (raises ``APIError``)."""
+        common = {
+            "model_name": self.model_name,
+            "encode": self.generator.encode,
+            "limits": self._limits,
+        }
+        if kind == "chat":
+            request = oa.parse(oa.ChatCompletionRequest, body)
+            return oa.plan_chat(request, template=self.chat_template, **common)
+        return oa.plan_completion(oa.parse(oa.CompletionRequest, body), **common)
+
+    def submit(self, plan: oa.Plan, sink: Sink) -> list[Pending]:
+        """Queue a plan's rows, all or none (raises ``APIError`` 503 when full or closing)."""
+        rows = [
+            Pending(
+                prompt_tokens=c.tokens, sampling=c.sampling, stream=plan.stream, choice=i, sink=sink
+            )
+            for i, c in enumerate(plan.choices)
+        ]
+        if not self.healthy:
+            raise oa.APIError(503, "the server is shutting down")
+        if not self._queue.put(rows):
+            raise oa.APIError(
+                503,
+                f"the queue is full ({self.config.max_queued_requests} rows waiting); retry later",
+            )
+        return rows
 
     # -- model worker ---------------------------------------------------------------------
     def _work(self) -> None:
-        c = self.config
         try:
-            while True:
-                batch = self._queue.next_batch(
-                    max_batch_size=c.max_batch_size,
-                    wait_s=c.batch_wait_ms / 1000.0,
-                    idle_s=HEARTBEAT_S,
-                )
-                if batch is None:
-                    break
-                if not batch:
-                    if self._group is not None:
-                        broadcast_json({"kind": "idle"}, self._group)
-                    continue
-                self._decode(batch)
+            if self.scheduler == "continuous":
+                self._continuous()
+            else:
+                self._static()
         except BaseException as exc:  # noqa: BLE001 - a broken tp group ends the worker
             self._failure = exc
             print(
@@ -265,27 +423,39 @@ class InferenceServer:
                 file=sys.stderr,
                 flush=True,
             )
-            for pending in [*self._current, *self._queue.close()]:
+            for pending in [*self._current, *self._live.values(), *self._queue.close()]:
                 if pending.finished is None:
                     pending.fail(503, "the model worker stopped")
             return
         if self._group is not None:
             broadcast_json({"kind": "stop"}, self._group)
 
+    def _static(self) -> None:
+        c = self.config
+        while True:
+            batch = self._queue.next_batch(
+                max_batch_size=c.max_batch_size, wait_s=c.batch_wait_ms / 1000.0, idle_s=HEARTBEAT_S
+            )
+            if batch is None:
+                return
+            if not batch:
+                if self._group is not None:
+                    broadcast_json({"kind": "idle"}, self._group)
+                continue
+            self._decode(batch)
+
     def _decode(self, batch: list[Pending]) -> None:
         self._current = batch
         self.metrics.batch(len(batch), len(self._queue))
-        prompts = [p.request.prompt_tokens for p in batch]
-        configs = [p.request.sampling for p in batch]
+        prompts = [p.prompt_tokens for p in batch]
+        configs = [p.sampling for p in batch]
         if self._group is not None:
-            broadcast_json(
-                {
-                    "kind": "batch",
-                    "prompts": prompts,
-                    "sampling": [s.to_dict() for s in configs],
-                },
-                self._group,
-            )
+            message = {
+                "kind": "batch",
+                "prompts": prompts,
+                "sampling": [s.to_dict() for s in configs],
+            }
+            broadcast_json(message, self._group)
 
         def on_attempt(indices: Any) -> None:
             for i in indices:
@@ -299,80 +469,89 @@ class InferenceServer:
             on_attempt=on_attempt,
         )
         for pending, result in zip(batch, results, strict=True):
-            if isinstance(result, GenerationResult):
-                pending.done(result)
-                timing = answer(pending, result)["timing"]
-                self.metrics.completion(result, ttft_s=timing["ttft_s"], total_s=timing["total_s"])
-            else:
-                print(
-                    "torsh-dist serve: generation failed:\n"
-                    + "".join(
-                        traceback.format_exception(type(result), result, result.__traceback__)
-                    ),
-                    file=sys.stderr,
-                    flush=True,
-                )
-                pending.fail(
-                    500, f"generation failed: {type(result).__name__} (see the server log)"
-                )
+            self._finish(pending, result)
+        self._current = []
 
-    # -- HTTP side (called by the handler threads) --------------------------------------------
-    def authorized(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header value grants access (always, without a token)."""
-        if self.config.token is None:
-            return True
-        scheme, _, value = (header or "").partition(" ")
-        # compare_digest on bytes of any length: the time does not depend on the content
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            value.strip().encode(), self.config.token.encode()
+    def _finish(self, pending: Pending, result: GenerationResult | BaseException) -> None:
+        if isinstance(result, GenerationResult):
+            pending.done(result)
+            assert pending.started is not None and pending.finished is not None
+            ttft = pending.started - pending.arrived + result.time_to_first_token_s
+            self.metrics.completion(result, ttft_s=ttft, total_s=pending.finished - pending.arrived)
+            return
+        print(
+            "torsh-dist serve: generation failed:\n"
+            + "".join(traceback.format_exception(type(result), result, result.__traceback__)),
+            file=sys.stderr,
+            flush=True,
         )
+        pending.fail(500, f"generation failed: {type(result).__name__} (see the server log)")
 
-    def health(self, authorized: bool) -> tuple[int, dict[str, Any]]:
-        """``/health``'s status and body; model details only for an authorised caller."""
-        if self.healthy:
-            status, body = 200, {"status": "ok"}
-        else:
-            status, body = 503, {"status": "failed" if self._failure else "stopping"}
-        if authorized:
-            tp = 1 if self._group is None else dist.get_world_size(self._group)
-            body.update(
-                model=self.model_info,
-                tp=tp,
-                max_seq_len=self.max_seq_len,
-                max_batch_size=self.config.max_batch_size,
-                max_new_tokens_limit=self.config.max_new_tokens_limit,
-                queued=len(self._queue),
-            )
-        return status, body
-
-    def submit(self, body: bytes) -> Pending:
-        """Parse, validate and queue a completion request body.
-
-        Raises:
-            RequestError: 4xx for a bad request, 503 when full or closing.
-        """
+    def _continuous(self) -> None:
+        assert self._slots is not None
         c = self.config
-        request = parse_completion(
-            body,
-            encode=self.generator.encode,
-            max_seq_len=self.max_seq_len,
-            max_new_tokens_limit=c.max_new_tokens_limit,
-            max_total_tokens=c.max_total_tokens,
-            default_max_new_tokens=min(64, c.max_new_tokens_limit),
+        engine = ContinuousBatcher(
+            self.generator,
+            max_rows=c.max_batch_size,
+            max_len=self._slots,
+            max_batch_tokens=c.max_batch_tokens,
         )
-        pending = Pending(request=request)
-        if not self.healthy or not self._queue.put(pending):
-            reason = (
-                "the server is shutting down"
-                if not self.healthy
-                else (f"the queue is full ({c.max_queued_requests} requests waiting); retry later")
+        if self._group is not None:
+            shape = {"max_rows": c.max_batch_size, "max_len": self._slots}
+            broadcast_json(
+                {"kind": "engine", "max_batch_tokens": c.max_batch_tokens, **shape}, self._group
             )
-            raise RequestError(503, reason)
-        return pending
+        live, next_id = self._live, 0
+        while True:
+            wait = 0.0 if engine.running else HEARTBEAT_S
+            taken = self._queue.take(fits=_Fits(engine), wait_s=wait)
+            if taken is None and not engine.running:
+                return
+            cancel = [i for i, p in live.items() if p.cancelled]
+            joins = []
+            for p in taken or []:
+                if p.cancelled:  # its client left while it waited
+                    continue
+                p.begin_attempt()
+                live[next_id] = p
+                joins.append(Join(id=next_id, prompt=p.prompt_tokens, sampling=p.sampling))
+                next_id += 1
+            if not joins and not engine.running:
+                if self._group is not None:
+                    broadcast_json({"kind": "idle"}, self._group)
+                continue
+            if self._group is not None:
+                message = {"kind": "step", "join": [j.to_json() for j in joins], "cancel": cancel}
+                broadcast_json(message, self._group)
+            self.metrics.batch(engine.running + len(joins) - len(cancel), len(self._queue))
+            events = engine.step(joins, cancel)
+            for i in cancel:
+                live.pop(i, None)
+            for rid, kind, value in events:
+                if kind == "token":
+                    live[rid].token(value)
+                else:
+                    self._finish(live.pop(rid), value)
+
+
+class _Fits:
+    """Whether the next queued row joins this step (counts the rows it admitted)."""
+
+    def __init__(self, engine: ContinuousBatcher) -> None:
+        self.engine = engine
+        self.rows = self.tokens = 0
+
+    def __call__(self, pending: Pending) -> bool:
+        size = len(pending.prompt_tokens)
+        if not self.engine.admits(size, joining=self.rows, joining_tokens=self.tokens):
+            return False
+        self.rows += 1
+        self.tokens += size
+        return True
 
 
 def follow(generator: TextGenerator, *, on_batch: Callable[[int], None] | None = None) -> None:
-    """Decode the batches the tp group's first rank serves, until it closes (a ``stop``).
+    """Decode what the tp group's first rank serves, until it closes (a ``stop``).
 
     Run on every rank of the generator's tp group but the first, with the same model sharded
     the same way; the first rank runs :class:`InferenceServer`. Returns when the server
@@ -380,17 +559,34 @@ def follow(generator: TextGenerator, *, on_batch: Callable[[int], None] | None =
 
     Args:
         generator: This rank's shard of the model.
-        on_batch: Called with each batch's size (e.g. to log progress).
+        on_batch: Called with each static batch's size, or each continuous step's row count
+            (e.g. to log progress).
     """
     group = generator.tp_group
     if group is None:
         raise ValueError("follow() needs a generator with a tensor-parallel group (tp_group)")
+    engine: ContinuousBatcher | None = None
     while True:
         message = broadcast_json(None, group)
         kind = message.get("kind")
         if kind == "stop":
             return
         if kind == "idle":
+            continue
+        if kind == "engine":
+            engine = ContinuousBatcher(
+                generator,
+                max_rows=message["max_rows"],
+                max_len=message["max_len"],
+                max_batch_tokens=message["max_batch_tokens"],
+            )
+            continue
+        if kind == "step":
+            assert engine is not None, "a step before the engine's shape"
+            joins = [Join.from_json(j) for j in message["join"]]
+            engine.step(joins, message["cancel"])
+            if on_batch is not None:
+                on_batch(engine.running)
             continue
         assert kind == "batch", f"unknown message from the serving rank: {kind!r}"
         configs = [SamplingConfig.from_dict(s) for s in message["sampling"]]

@@ -58,6 +58,9 @@ examples:
   # time shifting: checkpoint and pause while the series is above 300 gCO2/kWh, end by 18:00Z
   torsh-dist train --nproc-per-node 2 --carbon.series grid.csv --carbon.max-intensity 300 \\
       --carbon.deadline 2026-11-26T18:00:00Z --checkpoint.dir runs/a/ckpt
+  # scaling: 1 to 4 workers, more while the series is clean (restarts from checkpoints)
+  torsh-dist train --nproc-per-node 1:4 --carbon.series grid.csv --carbon.scale \\
+      --checkpoint.dir runs/b/ckpt --summary-json runs/b/summary.json
   # parameter server: rank 0 serves, ranks 1-2 train with bounded staleness 2
   torsh-dist train --nproc-per-node 3 --ps-servers 1 --staleness 2 --max-steps 50
 """
@@ -355,11 +358,71 @@ def _apply_deepspeed(
     return config
 
 
+def _scale_range(args: argparse.Namespace, config: TrainConfig) -> tuple[int, int] | None:
+    """``--nproc-per-node MIN:MAX`` of carbon-aware scaling (``args`` then holds MAX), or
+    ``None``; ``ValueError`` for a range without ``--carbon.scale`` or the converse."""
+    text = str(args.nproc_per_node)
+    if ":" not in text:
+        if config.carbon.scale:
+            raise ValueError(
+                "--carbon.scale needs the range of workers to scale between: --nproc-per-node "
+                "MIN:MAX (for example 1:4)"
+            )
+        return None
+    if not config.carbon.scale:
+        raise ValueError(
+            f"--nproc-per-node {text} is a range for carbon-aware scaling: add --carbon.scale "
+            "(with --carbon.series FILE); an elastic range of nodes is --nnodes MIN:MAX"
+        )
+    try:
+        low, high = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--nproc-per-node MIN:MAX must be two integers, got {text!r}") from None
+    if not 1 <= low < high:
+        raise ValueError(f"--nproc-per-node MIN:MAX must satisfy 1 <= MIN < MAX, got {text!r}")
+    if str(args.nnodes) not in ("1", "1:1") or getattr(args, "ps_servers", 0):
+        raise ValueError(
+            "--carbon.scale scales the workers of one node: it is not built for --nnodes "
+            f"{args.nnodes} or --ps-servers"
+        )
+    args.nproc_per_node = str(high)
+    return low, high
+
+
+def _launch_scaled(
+    config: TrainConfig, user: UserFactories | None, options: Any, sizes: tuple[int, int]
+) -> int:
+    """Carbon-aware scaling: the job in segments, each at the size the series asks for."""
+    from torsh_distributed.elastic.resize import launch_resizing
+    from torsh_distributed.energy.shift import clock_text
+
+    low, high = sizes
+    for size in range(low, high + 1):  # every size the job may run at, before any rank starts
+        try:
+            _check_world(config, size, user)
+        except ValueError as exc:
+            raise ValueError(f"--nproc-per-node {low}:{high} at {size} workers: {exc}") from None
+    policy = config.carbon.scale_policy(low, high)
+
+    def choose(now: float) -> tuple[int, dict[str, Any]]:
+        target = policy.target(now)
+        where = (f"intensity {target.intensity:g} g/kWh" if target.intensity is not None
+                 else "outside the series")
+        return target.world_size, {"intensity": target.intensity,
+                                   "text": f"carbon: {where} at {clock_text(now)}"}
+
+    return launch_resizing(
+        options, choose=choose, min_size=low, max_size=high, module="torsh_distributed.train",
+        args=["--config-json", config.to_json(), *(user.to_args() if user else [])],
+    )
+
+
 def _handle(args: argparse.Namespace) -> int:
     from torsh_distributed.cli.run import options_from_args
 
     config = config_from_args(args)
     user = user_factories(args)
+    scaled = _scale_range(args, config)
     options = options_from_args(args)
     if getattr(args, "deepspeed", None) and getattr(args, "fairscale", None):
         raise ValueError("give --deepspeed or --fairscale, not both")
@@ -389,8 +452,10 @@ def _handle(args: argparse.Namespace) -> int:
         _check_world(config, world.world_size, user)
     if not inside_launch and config.energy.meter in ("rapl", "nvml") and options.nnodes in ("1", "1:1"):
         _check_meter(config)
-    elif ":" not in options.nnodes:  # a fixed world: check what depends on its size
+    elif scaled is None and ":" not in options.nnodes:  # a fixed world: check what depends on its size
         _check_world(config, options.nproc_per_node * int(options.nnodes), user)
+    if scaled is not None and not inside_launch:
+        return _launch_scaled(config, user, options, scaled)
     if inside_launch or (options.nproc_per_node == 1 and options.nnodes in ("1", "1:1")):
         return _train_here(config, user)
     from torsh_distributed.elastic.launch import launch
@@ -431,6 +496,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_launch_arguments(parser)
+    for action in parser._actions:  # noqa: SLF001 - train alone takes a range (carbon scaling)
+        if action.dest == "nproc_per_node":
+            action.metavar = "N|MIN:MAX"
+            action.help = f"{action.help}. MIN:MAX with --carbon.scale: carbon-aware scaling"
     add_user_model_arguments(parser)
     add_config_arguments(parser)
     add_deepspeed_arguments(parser)

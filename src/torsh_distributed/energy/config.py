@@ -12,6 +12,7 @@ from torsh_distributed.energy.meters import METERS
 
 if TYPE_CHECKING:
     from torsh_distributed.energy.carbon import Intensity
+    from torsh_distributed.energy.scale import ScalePolicy
     from torsh_distributed.energy.shift import ShiftPolicy
 
 __all__ = ["CarbonConfig", "EnergyConfig"]
@@ -69,6 +70,11 @@ class CarbonConfig:
     """Bound of time shifting: an ISO 8601 time (no zone = UTC) or a duration from the first
     step (30m, 90s, 1h30m); no pause that would end training after it, by the measured step
     time. Empty = pauses are unbounded."""
+    scale: bool = field(default=False, metadata={"flags": [], "negatable": True})
+    """Carbon-aware scaling (needs --carbon.series, --checkpoint.dir and --nproc-per-node
+    MIN:MAX): MAX workers in the series' cleanest slot, MIN in its dirtiest, linear in between;
+    at a change the job checkpoints and restarts at the new size, if the new size holds longer
+    than a restart takes. Not with --carbon.max-intensity."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.intensity) or self.intensity < 0:
@@ -89,9 +95,25 @@ class CarbonConfig:
                 f"carbon.deadline {self.deadline!r} bounds time shifting: give --carbon.max-intensity X "
                 "with it (without it the job never pauses)"
             )
+        if self.scale and not self.series:
+            raise ValueError(
+                "carbon.scale needs --carbon.series FILE: scaling follows the intensity over time "
+                "(a constant or a region's average never changes)"
+            )
+        if self.scale and self.max_intensity:
+            raise ValueError(
+                "carbon.scale with carbon.max_intensity is not built: choose scaling (--carbon.scale) "
+                "or time shifting (--carbon.max-intensity)"
+            )
         intensity = self.resolve()  # a bad series or region fails here, before any rank starts
         if self.max_intensity:
             self.shift_policy(intensity).check(time.time())
+        if self.scale:
+            from torsh_distributed.energy.carbon import IntensitySeries
+            from torsh_distributed.energy.scale import check_ahead
+
+            assert isinstance(intensity, IntensitySeries)
+            check_ahead(intensity, time.time())
 
     def shift_policy(self, intensity: Intensity | None = None, *, start: float | None = None) -> ShiftPolicy:
         """The time-shifting policy of these settings (a duration deadline counts from
@@ -111,6 +133,20 @@ class CarbonConfig:
             kind, value = parse_deadline(self.deadline)
             deadline = (time.time() if start is None else start) + value if kind == "after" else value
         return ShiftPolicy(series, self.max_intensity, deadline)
+
+    def scale_policy(self, min_size: int, max_size: int, intensity: Intensity | None = None) -> ScalePolicy:
+        """The scaling policy of these settings between ``min_size`` and ``max_size`` workers.
+
+        Raises:
+            ValueError: no series, or not ``1 <= min_size < max_size``.
+        """
+        from torsh_distributed.energy.carbon import IntensitySeries
+        from torsh_distributed.energy.scale import ScalePolicy
+
+        series = self.resolve() if intensity is None else intensity
+        if not isinstance(series, IntensitySeries):
+            raise ValueError("carbon: scaling needs --carbon.series")
+        return ScalePolicy(series, min_size, max_size)
 
     def resolve(self) -> Intensity:
         """The intensity these settings name (parses the series file)."""

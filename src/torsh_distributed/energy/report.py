@@ -81,6 +81,7 @@ def format_report(data: dict[str, Any], *, path: str | Path = "") -> str:
                 f"  note:    {carbon['seconds_outside_series']:.0f} s of the run lie outside the "
                 "intensity series (its edge values were used)"
             )
+    lines.extend(_decisions(carbon))
     if energy.get("excluded"):
         ex = energy["excluded"]
         lines.append(f"  excluded: ranks {ex['ranks']} ({_num(ex['estimated_joules'])} J estimated): {ex['why']}")
@@ -101,6 +102,44 @@ def format_report(data: dict[str, Any], *, path: str | Path = "") -> str:
     if any(r["scope"] == "host" for r in energy.get("ranks", [])):
         lines.append("(host-scoped counters are shared by the ranks of a host: the job counts each once)")
     return "\n".join(lines)
+
+
+def _decisions(carbon: dict[str, Any]) -> list[str]:
+    """Time shifting's pauses and carbon scaling's segments, when the run had them."""
+    from torsh_distributed.energy.shift import clock_text
+
+    lines = []
+    if isinstance(carbon.get("pauses"), list):
+        met = carbon.get("met_deadline")
+        lines.append(
+            f"  shifting: {len(carbon['pauses'])} pause(s), {_num(carbon.get('paused_s'), '.1f')} s "
+            f"paused while above {_num(carbon.get('max_intensity_g_per_kwh'), 'g')} g/kWh"
+            + (f"; deadline {carbon['deadline']} {'met' if met else 'missed'}" if carbon.get("deadline") else "")
+        )
+        lines.extend(
+            f"    step {p['step']}: paused {p['seconds']:.1f} s from {clock_text(p['start'])} at "
+            f"{_num(p.get('intensity'), 'g')} g/kWh"
+            for p in carbon["pauses"]
+        )
+    scaling = carbon.get("scaling")
+    if isinstance(scaling, dict):
+        lines.append(
+            f"  scaling:  {scaling['min_world_size']} to {scaling['max_world_size']} workers, "
+            f"{scaling['restarts']} restart(s); all segments: {_num(scaling.get('joules'))} J, "
+            f"{_num(scaling.get('grams'))} g CO2e, {scaling['steps']} steps in "
+            f"{_num(scaling.get('wall_s'), '.1f')} s (the figures above are the last segment's)"
+        )
+        header = ("segment", "launched", "steps", "workers", "g/kWh", "joules", "grams")
+        rows = [
+            (str(seg["index"]), clock_text(seg["launched_unix_s"]), f"{seg['start_step']}-{seg['end_step']}",
+             str(seg["world_size"]), _num(seg.get("intensity"), "g"), _num(seg.get("joules")),
+             _num(seg.get("grams")))
+            for seg in scaling["segments"]
+        ]
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+        lines.append("    " + "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+        lines.extend("    " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    return lines
 
 
 def plot_report(data: dict[str, Any], path: str | Path, *, title: str = "") -> Path:

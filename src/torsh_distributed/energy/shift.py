@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from torsh_distributed.energy.carbon import IntensitySeries
 
-__all__ = ["Decision", "ShiftPolicy", "TimeShift", "clock_text", "parse_deadline"]
+__all__ = ["Broadcast", "Decision", "ShiftPolicy", "TimeShift", "clock_text", "default_broadcast", "parse_deadline"]
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
@@ -219,7 +219,7 @@ class TimeShift:
         self.on = policy_of is not None
         self.main, self.max_steps = main, max_steps
         self.write, self.clock, self.sleep = write, clock, sleep
-        self._broadcast = broadcast or _default_broadcast(device)
+        self._broadcast = broadcast or default_broadcast(device)
         self.pauses: list[dict[str, Any]] = []
         self.through: list[dict[str, Any]] = []
         self.checks = 0
@@ -341,7 +341,7 @@ class TimeShift:
         }
 
 
-def _default_broadcast(device: Any) -> Broadcast:
+def default_broadcast(device: Any) -> Broadcast:
     def broadcast(values: list[float]) -> list[float]:
         import torch
         import torch.distributed as dist

@@ -36,9 +36,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
-from torsh_distributed.energy.shift import TimeShift
 from torsh_distributed.energy.tracker import METRICS, EnergyTracker
 from torsh_distributed.engine import _setup as S
+from torsh_distributed.engine._carbon import CarbonControl
 from torsh_distributed.engine._checkpoint import RunCheckpoint, computation_settings
 from torsh_distributed.engine._comm import CommSetup, node_assignment
 from torsh_distributed.engine._compression import GradCompression
@@ -128,7 +128,7 @@ class Run:
     write: Callable[[str], None]
     monitor: StepMonitor
     energy: EnergyTracker
-    shift: TimeShift
+    carbon: CarbonControl
 
     def __init__(self, engine: EngineInputs, runtime: world.Runtime, *, started: float) -> None:
         self.engine, self.runtime, self.started = engine, runtime, started
@@ -344,11 +344,9 @@ class Run:
             log=self.monitor.log if self.monitor.on else None,  # Prometheus, dashboard, report
         )
         self.energy.start()
-        carbon = cfg.carbon  # --carbon.max-intensity: rank 0 decides, every rank pauses with it
-        self.shift = TimeShift(
-            (lambda start: carbon.shift_policy(start=start)) if carbon.max_intensity else None,
-            main=runtime.is_main, start_step=self.start_step, max_steps=cfg.max_steps,
-            write=self.write, device=self.device,
+        self.carbon = CarbonControl(  # time shifting and scaling: rank 0 decides, every rank follows
+            cfg, main=runtime.is_main, world_size=runtime.world_size, start_step=self.start_step,
+            write=self.write, device=self.device, save=lambda step: self.ckpt.save_now(step, self.losses),
         )
 
     # --- the step --------------------------------------------------------------------------
@@ -392,7 +390,7 @@ class Run:
                 self.write(f"step {step + 1}: val loss {val_loss:.4f}")
         if (step + 1) % cfg.log_every == 0 or step == self.start_step or step + 1 == cfg.max_steps:
             self._log(step, global_loss)
-        self.shift.step_end(step + 1, save=lambda: self.ckpt.save_now(step + 1, self.losses))
+        self.carbon.step_end(step + 1)  # a pause, or the end of a scaling segment (carbon.stopped)
 
     def _set_lr(self, step: int) -> float:
         if self.engine.optimizer_factory is not None:
@@ -535,10 +533,12 @@ class Run:
         self.progress.close()
         monitor_report = self.monitor.finish()  # last aggregation (collective), bottleneck report
         energy, carbon = self.energy.finish()  # every rank's figures (collective)
-        carbon = {**carbon, **self.shift.summary()}  # time shifting's pauses, the deadline
-        self.ckpt.finish(cfg.max_steps, losses)  # final save, wait for async saves
+        stopped = self.carbon.stopped  # a scaling segment's end: the next segment reports
+        carbon = self.carbon.summary(carbon, energy=energy, end_step=len(losses),
+                                     first_step_unix_s=self.first_step_at)
+        self.ckpt.finish(len(losses) if stopped else cfg.max_steps, losses)  # wait for async saves
         self.comm.finish(main=self.runtime.is_main)  # merged Chrome trace on rank 0
-        val_loss = self.evaluate()
+        val_loss = float("nan") if stopped else self.evaluate()
         if engine.val_sampler is not None:
             self.val_history.append((cfg.max_steps, val_loss))
         if not losses:
@@ -573,7 +573,7 @@ class Run:
             energy=energy,
             carbon=carbon,
         )
-        if self.runtime.is_main:  # the table, --summary-json, --plot
+        if self.runtime.is_main and not stopped:  # the table, --summary-json, --plot
             report_result(
                 result,
                 summary_json=cfg.summary_json,

@@ -140,6 +140,11 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be one of auto, gloo, nccl; got {self.backend!r}")
+        if self.carbon.scale and not self.checkpoint.dir:
+            raise ValueError(
+                "carbon.scale needs --checkpoint.dir DIR: a change of world size restarts the "
+                "workers from a checkpoint"
+            )
 
     def check_world(self, dp_size: int) -> int:
         """Per-rank batch for ``dp_size`` data-parallel ranks; ``ValueError`` if it does not divide."""

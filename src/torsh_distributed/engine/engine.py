@@ -206,4 +206,6 @@ class Engine:
             run.setup()
             for step in range(run.start_step, self.config.max_steps):
                 run.step(step)
+                if run.carbon.stopped:  # carbon-aware scaling: the next segment goes on
+                    break
             return run.finish()

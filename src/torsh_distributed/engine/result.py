@@ -70,7 +70,9 @@ class TrainResult:
     """Emissions of that energy: ``grams`` CO2e, ``intensity_source`` (``constant``, ``series``,
     ``region`` or ``default``), the mean intensity, per rank; {} with ``--energy.meter off``.
     With ``--carbon.max-intensity`` also time shifting's ``pauses`` (``step``, ``start``,
-    ``seconds``, ``intensity``), ``paused_s``, ``deadline`` and ``met_deadline``."""
+    ``seconds``, ``intensity``), ``paused_s``, ``deadline`` and ``met_deadline``. With
+    ``--carbon.scale``, ``scaling``: every segment's world size, steps, joules and grams, the
+    decisions and the job's totals (the blocks' other figures are the last segment's)."""
 
     def summary(self) -> dict[str, Any]:
         """The summary fields (everything except the per-step and per-evaluation losses)."""
@@ -114,6 +116,11 @@ def print_summary(result: TrainResult) -> None:
             table[name] = {k: block[k] for k in keys if block.get(k) is not None}
             if isinstance(block.get("pauses"), list):  # time shifting: the count (list in JSON)
                 table[name]["pauses"] = len(block["pauses"])
+            scaling = block.get("scaling")
+            if isinstance(scaling, dict):  # carbon scaling: every segment's size, the job's grams
+                table[name]["scaling_world_sizes"] = " -> ".join(map(str, scaling["world_sizes"]))
+                if scaling.get("grams") is not None:
+                    table[name]["scaling_grams_all_segments"] = scaling["grams"]
     print(format_summary(for_table(table)), flush=True)
 
 

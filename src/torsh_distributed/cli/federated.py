@@ -33,9 +33,12 @@ examples:
   # each client is itself a 2-rank data-parallel job (DDP; --client-zero-stage 2 for ZeRO-2)
   torsh-dist federated --clients 2 --client-nproc 2
   # a federation over hosts: the SuperLink here, listening on 10.0.0.1 ...
-  torsh-dist federated --superlink-host 10.0.0.1 --remote-nodes --clients 2
-  # ... and on each client host:
-  torsh-dist federated-node --superlink 10.0.0.1:9092 --partition-id 0 --num-partitions 2
+  export TORSH_FL_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')
+  torsh-dist federated --superlink-host 10.0.0.1 --superlink-port 9092 --remote-nodes \
+      --clients 2 --token-env TORSH_FL_TOKEN
+  # ... and on each client host (the same token):
+  torsh-dist federated-node --superlink 10.0.0.1:9092 --partition-id 0 --num-partitions 2 \
+      --token-env TORSH_FL_TOKEN
 """
 
 _ALIASES = {"client.nproc": "--client-nproc", "client.zero_stage": "--client-zero-stage"}
@@ -134,6 +137,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      help="start no SuperNode here: clients join with torsh-dist federated-node")
     out.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                      help="stop the whole run after this many seconds (default 3600)")
+    _add_token_flags(out)
     parser.set_defaults(handler=main)
 
     node = sub.add_parser(
@@ -146,7 +150,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node.add_argument("--num-partitions", type=int, required=True, help="number of clients of the run")
     node.add_argument("--host", default="127.0.0.1", help="address of this node's ClientApp API")
     node.add_argument("--port", type=int, default=0, help="its port (0 = a free one)")
+    _add_token_flags(node)
     node.set_defaults(handler=node_main)
+
+
+def _add_token_flags(group: Any) -> None:
+    group.add_argument("--token-env", metavar="VAR",
+                       help="environment variable holding the federation's shared token (required "
+                       "when the SuperLink is exposed beyond loopback; nodes need the same)")
+    group.add_argument("--token-file", metavar="FILE", help="file whose first line is the token (chmod 600)")
+
+
+def _token(args: argparse.Namespace) -> str:
+    from torsh_distributed.inference.serve import read_token
+
+    return read_token(env=args.token_env, file=args.token_file) or ""
 
 
 def main(args: argparse.Namespace) -> int:
@@ -157,12 +175,15 @@ def main(args: argparse.Namespace) -> int:
     if config.task.model:
         Task(config).client_data(0)  # imports and calls the factories: errors before any process
     federation = Federation(
-        config, host=args.superlink_host, port=args.superlink_port, local_nodes=not args.remote_nodes
-    )
+        config, host=args.superlink_host, port=args.superlink_port, local_nodes=not args.remote_nodes,
+        token=_token(args),
+    )  # fmt: skip
     with federation.running():
         if args.remote_nodes:
-            print(f"federated: SuperLink at {federation.address}; start {config.clients} nodes with "
-                  f"torsh-dist federated-node --superlink {federation.address} ...", flush=True)
+            where = federation.public_address
+            print(f"federated: SuperLink at {where}; start {config.clients} nodes with "
+                  f"torsh-dist federated-node --superlink {where} --partition-id I --num-partitions "
+                  f"{config.clients}", flush=True)
         code = federation.submit(timeout=args.timeout)
     summary_path = federation.run_dir / "summary.json"
     if code != 0 or not summary_path.exists():
@@ -182,12 +203,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def node_main(args: argparse.Namespace) -> int:
-    from torsh_distributed.federated.deploy import _env, free_port, supernode_command
+    from torsh_distributed.federated.deploy import join
 
-    if not 0 <= args.partition_id < args.num_partitions:
-        raise ValueError(f"--partition-id {args.partition_id} is not in [0, {args.num_partitions})")
-    cmd = supernode_command(
+    return join(
         args.superlink, partition_id=args.partition_id, num_partitions=args.num_partitions,
-        host=args.host, port=args.port or free_port(args.host),
+        token=_token(args), host=args.host, port=args.port,
     )  # fmt: skip
-    os.execvpe(cmd[0], cmd, _env())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import signal
 import socket
@@ -24,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
 
-__all__ = ["Federation", "free_port", "supernode_command"]
+__all__ = ["Federation", "free_port", "join", "supernode_command"]
 
 _APP_PYPROJECT = """\
 [build-system]
@@ -89,6 +91,53 @@ def supernode_command(
     ]  # fmt: skip
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def join(
+    superlink: str, *, partition_id: int, num_partitions: int, token: str = "", host: str = "127.0.0.1",
+    port: int = 0,
+) -> int:
+    """Run client ``partition_id``'s SuperNode until it exits; returns its exit code.
+
+    With a ``token`` (required when ``superlink`` is not on loopback) a client relay on this
+    host's loopback proves the token to the head's relay and carries the SuperNode's traffic.
+
+    Raises:
+        ValueError: a malformed address, a remote head without a token, a bad partition id.
+    """
+    head, sep, head_port = superlink.rpartition(":")
+    if not sep or not head or not head_port.isdigit():
+        raise ValueError(f"--superlink must be HOST:PORT, got {superlink!r}")
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"--partition-id {partition_id} is not in [0, {num_partitions})")
+    relay = None
+    if token:
+        relay = Relay(role="client", listen=("127.0.0.1", 0), target=(head, int(head_port)), token=token.encode())
+        superlink = f"127.0.0.1:{relay.start().port}"
+    elif not _is_loopback(head):
+        raise ValueError(
+            f"joining {superlink} needs the federation's token (--token-env VAR or --token-file FILE)"
+        )
+    cmd = supernode_command(
+        superlink, partition_id=partition_id, num_partitions=num_partitions, host=host,
+        port=port or free_port(host),
+    )  # fmt: skip
+    proc = subprocess.Popen(cmd, env=_env())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()
+    finally:
+        if relay is not None:
+            relay.stop()
+
+
 def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], *, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -104,9 +153,16 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], *, what: str
 class Federation:
     """A local federation: SuperLink, ``config.clients`` SuperNodes, one submitted run.
 
+    The SuperLink itself always listens on 127.0.0.1; with a ``host`` other than loopback a
+    token-checking relay (:mod:`~torsh_distributed.federated._relay`) listens there instead, so
+    nothing without the token reaches Flower's Fleet or Control API.
+
     Args:
         config: The run (its ``run_dir`` receives the spec, logs, checkpoints and summary).
-        host: Address the SuperLink listens on (127.0.0.1 = this machine only).
+        host: Address the federation is reachable on (127.0.0.1 = this machine only).
+        port: Its port (0 = a free one).
+        token: Shared secret that remote nodes must prove (required when ``host`` is not
+            loopback; at least 16 characters).
         local_nodes: Start the SuperNodes here (False: they join from their hosts).
         echo: Receives the ServerApp's progress lines.
     """
@@ -116,12 +172,20 @@ class Federation:
     local_nodes: bool = True
     echo: Callable[[str], None] = print
     port: int = 0
+    token: str = field(default="", repr=False)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _logs: list[IO[bytes]] = field(default_factory=list)
+    _link_port: int = 0
+    _relay: Relay | None = None
 
     def __post_init__(self) -> None:
         # the ServerApp and the clients run in other directories: paths must not be relative
         self.config = dataclasses.replace(self.config, run_dir=str(Path(self.config.run_dir).resolve()))
+        if not _is_loopback(self.host) and not self.token:
+            raise ValueError(
+                f"exposing the federation on {self.host} needs a shared token (--token-env VAR or "
+                "--token-file FILE); the nodes join with the same token"
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -129,6 +193,12 @@ class Federation:
 
     @property
     def address(self) -> str:
+        """Where the SuperLink listens (loopback of this host)."""
+        return f"127.0.0.1:{self._link_port}"
+
+    @property
+    def public_address(self) -> str:
+        """Where nodes join: the SuperLink itself on loopback, else the relay."""
         return f"{self.host}:{self.port}"
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
@@ -149,15 +219,22 @@ class Federation:
         """Start the SuperLink (and local SuperNodes); stop everything on exit."""
         (self.run_dir / "flwr" / "home").mkdir(parents=True, exist_ok=True)
         try:
+            exposed = not _is_loopback(self.host)
             self.port = self.port or free_port(self.host)
+            self._link_port = free_port() if exposed else self.port
             superlink = self._spawn(
                 "superlink",
                 [
-                    _bin("flower-superlink"), "--insecure", "--host", self.host, "--port", str(self.port),
-                    "--database", str(self.run_dir / "flwr" / "superlink.db"),
+                    _bin("flower-superlink"), "--insecure", "--host", "127.0.0.1",
+                    "--port", str(self._link_port), "--database", str(self.run_dir / "flwr" / "superlink.db"),
                 ],
             )  # fmt: skip
-            _wait_port(self.host, self.port, superlink, what="flower-superlink", timeout=60)
+            _wait_port("127.0.0.1", self._link_port, superlink, what="flower-superlink", timeout=60)
+            if exposed:
+                self._relay = Relay(
+                    role="server", listen=(self.host, self.port), target=("127.0.0.1", self._link_port),
+                    token=self.token.encode(),
+                ).start()  # fmt: skip
             if self.local_nodes:
                 for pid in range(self.config.clients):
                     cmd = supernode_command(
@@ -215,6 +292,9 @@ class Federation:
 
     def stop(self) -> None:
         """Stop every process started (SIGTERM, then SIGKILL after 5 s), close the logs."""
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay = None
         for proc in self.procs.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

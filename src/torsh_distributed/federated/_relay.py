@@ -1,0 +1,145 @@
+"""A token-authenticated TCP relay that keeps an exposed federation's SuperLink on loopback.
+
+Flower's SuperLink serves its Fleet API (the SuperNodes) and its Control API (run submission) on
+one HTTP port, and its own node authentication needs TLS certificates. A federation over hosts
+therefore never exposes that port: the SuperLink listens on 127.0.0.1 of the head host and a
+:class:`Relay` in ``server`` role listens on the exposed address; on each client host a relay in
+``client`` role listens on 127.0.0.1 for the SuperNode and forwards to the head. Every connection
+starts with a mutual challenge-response on the shared token (HMAC-SHA256 of a fresh random nonce
+each way, compared in constant time, 5 s to answer); a peer without the token is disconnected
+before a single byte reaches Flower. The bytes after the handshake are not encrypted: run it on a
+network you trust, or under a VPN/SSH tunnel when the traffic itself must stay private.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["Relay"]
+
+_NONCE = 32
+_HANDSHAKE_S = 5.0
+_CHUNK = 1 << 16
+
+
+def _mac(token: bytes, nonce: bytes, who: bytes) -> bytes:
+    return hmac.new(token, who + nonce, hashlib.sha256).digest()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy until EOF, then half-close (the other direction may still be answering)."""
+    try:
+        while data := await reader.read(_CHUNK):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError):
+        writer.close()
+
+
+@dataclass
+class Relay:
+    """Forward ``listen`` to ``target`` for peers that prove they hold ``token``.
+
+    Args:
+        role: ``server`` (accept remote peers, check them, forward to the local SuperLink) or
+            ``client`` (accept the local SuperNode, prove the token to the remote relay).
+        listen: (host, port) to listen on; port 0 = a free one (see :attr:`port` after start).
+        target: (host, port) to forward to.
+        token: The shared secret (at least 16 bytes).
+    """
+
+    role: str
+    listen: tuple[str, int]
+    target: tuple[str, int]
+    token: bytes
+    port: int = 0
+    refused: int = 0
+    """Connections dropped for a wrong or missing token (server role)."""
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+    _server: asyncio.base_events.Server | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("server", "client"):
+            raise ValueError(f"relay role must be server or client, got {self.role!r}")
+        if len(self.token) < 16:
+            raise ValueError("the federation token must be at least 16 characters")
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if self.role == "server":
+                up_reader, up_writer = await self._accept_peer(reader, writer)
+            else:
+                up_reader, up_writer = await self._join_head()
+        except (ConnectionError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, PermissionError):
+            writer.close()
+            return
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        writer.close()
+        up_writer.close()
+
+    async def _accept_peer(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        nonce = os.urandom(_NONCE)
+        writer.write(nonce)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readexactly(32 + _NONCE), _HANDSHAKE_S)
+        if not hmac.compare_digest(answer[:32], _mac(self.token, nonce, b"node")):
+            self.refused += 1
+            raise PermissionError("wrong token")
+        writer.write(_mac(self.token, answer[32:], b"head"))  # prove ourselves to the node
+        await writer.drain()
+        return await asyncio.open_connection(*self.target)
+
+    async def _join_head(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.target), _HANDSHAKE_S)
+        nonce = await asyncio.wait_for(up_reader.readexactly(_NONCE), _HANDSHAKE_S)
+        mine = os.urandom(_NONCE)
+        up_writer.write(_mac(self.token, nonce, b"node") + mine)
+        await up_writer.drain()
+        proof = await asyncio.wait_for(up_reader.readexactly(32), _HANDSHAKE_S)
+        if not hmac.compare_digest(proof, _mac(self.token, mine, b"head")):
+            up_writer.close()
+            raise PermissionError("the head relay does not hold the token")
+        return up_reader, up_writer
+
+    def start(self) -> Relay:
+        """Listen in a background thread; returns once listening (``port`` is set)."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                self._server = loop.run_until_complete(asyncio.start_server(self._handle, *self.listen))
+                self.port = int(self._server.sockets[0].getsockname()[1])
+            except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            self._server.close()
+            loop.run_until_complete(self._server.wait_closed())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"torsh-relay-{self.role}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise OSError(f"the federation relay cannot listen on {self.listen[0]}:{self.listen[1]}: {failure[0]}")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)

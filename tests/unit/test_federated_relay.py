@@ -1,0 +1,80 @@
+"""The relay that guards an exposed federation: only peers holding the token get through, both
+ends prove it, and an exposed federation without a token is refused before anything starts."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from torsh_distributed.federated._relay import Relay
+from torsh_distributed.federated.config import FederatedConfig
+from torsh_distributed.federated.deploy import Federation, join
+
+TOKEN = b"a-token-of-sixteen-plus"
+
+
+@pytest.fixture
+def echo() -> int:
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                while data := conn.recv(4096):
+                    conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
+
+def _roundtrip(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while data := sock.recv(4096):
+            chunks.append(data)
+        return b"".join(chunks)
+
+
+@pytest.mark.timeout(60)
+def test_only_token_holders_reach_the_target(echo: int) -> None:
+    head = Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", echo), token=TOKEN).start()
+    good = Relay(role="client", listen=("127.0.0.1", 0), target=("127.0.0.1", head.port), token=TOKEN).start()
+    bad = Relay(role="client", listen=("127.0.0.1", 0), target=("127.0.0.1", head.port),
+                token=b"another-token-entirely").start()  # fmt: skip
+    try:
+        assert _roundtrip(good.port, b"hello flower" * 1000) == b"hello flower" * 1000
+        assert _roundtrip(bad.port, b"let me in") == b""
+        with socket.create_connection(("127.0.0.1", head.port), timeout=10) as raw:  # no handshake
+            raw.recv(32)  # the nonce
+            raw.sendall(b"POST /v1/control/start-run HTTP/1.1\r\n" + b"x" * 64)
+            assert raw.recv(4096) == b""  # dropped, nothing forwarded
+        assert head.refused == 2
+        fake_head = Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", echo),
+                          token=b"not-the-real-token!").start()  # fmt: skip
+        node = Relay(role="client", listen=("127.0.0.1", 0), target=("127.0.0.1", fake_head.port), token=TOKEN).start()
+        assert _roundtrip(node.port, b"secret update") == b""  # a head without the token gets nothing
+        node.stop()
+        fake_head.stop()
+    finally:
+        for relay in (good, bad, head):
+            relay.stop()
+
+
+def test_exposed_federation_and_remote_join_need_a_token(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="needs a shared token"):
+        Federation(FederatedConfig(run_dir=str(tmp_path)), host="10.1.2.3")
+    with pytest.raises(ValueError, match="needs the federation's token"):
+        join("10.1.2.3:9092", partition_id=0, num_partitions=2)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        join("10.1.2.3", partition_id=0, num_partitions=2, token="x" * 20)
+    with pytest.raises(ValueError, match="at least 16"):
+        Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", 1), token=b"short")

@@ -1,6 +1,7 @@
 """A federation over simulated hosts (network namespaces, benchmarks/netlab): the SuperLink on host 0
 listening on its own address, one SuperNode per client host started with ``torsh-dist
-federated-node``; the round's messages cross the lab's links through the token-checking relays."""
+federated-node``; the round's messages cross the lab's links through the token-checking relays,
+and the round is exact: FedAvg of 2 equal IID clients with one SGD step equals centralized SGD."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from netlab import NetLab, available  # noqa: E402
+
+from torsh_distributed.federated.config import FederatedConfig, TaskConfig  # noqa: E402
+from torsh_distributed.federated.task import Task  # noqa: E402
 
 REASON = available()
 pytestmark = [
@@ -34,7 +39,7 @@ def test_clients_on_other_hosts_join_with_the_token(tmp_path: Path) -> None:
             0,
             [*CLI, "federated", "--model", f"{TOY}:make_model", "--dataset", f"{TOY}:dataset",
              "--val-dataset", f"{TOY}:dataset", "--clients", "2", "--rounds", "1", "--min-clients", "2",
-             "--local-steps", "2", "--batch-size", "8", "--run-dir", str(tmp_path / "run"),
+             "--local-steps", "1", "--batch-size", "16", "--lr", "0.5", "--run-dir", str(tmp_path / "run"),
              "--superlink-host", head, "--superlink-port", "29700", "--remote-nodes",
              "--summary-json", str(tmp_path / "out.json"), "--timeout", "180",
              "--token-env", "TORSH_FEDERATED_TOKEN"],
@@ -54,3 +59,17 @@ def test_clients_on_other_hosts_join_with_the_token(tmp_path: Path) -> None:
     (only,) = summary["rounds"]
     assert only["answered"] == 2 and [c["partition_id"] for c in only["clients"]] == [0, 1]
     assert f"SuperLink at {head}:29700" in text
+
+    # FedAvg of the 2 equal IID clients, one local step of plain SGD each, equals one step of
+    # centralized SGD on the union of their batches (the whole toy set), to 1e-5
+    got = torch.load(tmp_path / "run" / "server" / "round_00001" / "model.pt", weights_only=True)
+    config = FederatedConfig(partition="iid", clients=2, task=TaskConfig(model=f"{TOY}:make_model", dataset=f"{TOY}:dataset"))
+    task = Task(config)
+    model = task.model()  # the server's initial global model (same seed)
+    x, y = task._factories._dataset(config.task.dataset, "dataset").tensors
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5)

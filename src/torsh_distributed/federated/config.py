@@ -150,6 +150,12 @@ class FederatedConfig:
     update gets noisier; see docs/federated.md)."""
     error_feedback: bool = True
     """Each client keeps what compression did not send and adds it to its next update."""
+    metrics_port: int = 0
+    """Serve per-round and per-client Prometheus gauges (torsh_federated_*) on 127.0.0.1:PORT
+    of the server's host (0 = off)."""
+    dashboard_port: int = 0
+    """Serve the live dashboard (loss, bytes and time per round, each client's time) on
+    127.0.0.1:PORT of the server's host (0 = off)."""
     client: ClientConfig = field(default_factory=ClientConfig)
     """Local training of each client."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -188,6 +194,9 @@ class FederatedConfig:
             raise ValueError(
                 f"federated.straggler_policy must be keep or drop, got {self.straggler_policy!r}"
             )
+        for name in ("metrics_port", "dashboard_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"federated.{name} must be a TCP port (0 = off), got {getattr(self, name)}")
         if self.resume not in ("auto", "never"):
             raise ValueError(f"federated.resume must be auto or never, got {self.resume!r}")
         if self.compression != "none":

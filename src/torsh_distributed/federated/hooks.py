@@ -1,4 +1,4 @@
-"""The server side of privacy and compressed updates, plugged into the round loop.
+"""The server side of privacy, compressed updates and monitoring, plugged into the round loop.
 
 :class:`FederatedHooks` wraps the Flower strategy in Flower's DP wrapper
 (``DifferentialPrivacyServerSideFixedClipping`` or ``...ClientSideFixedClipping``: clip each
@@ -11,6 +11,7 @@ full weights before the strategy sees them. The client side of both is in
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +43,22 @@ class FederatedHooks(RoundHooks):
             else None
         )
         self.epsilon = 0.0
+        self.monitor: Any = None
+        if config.metrics_port or config.dashboard_port:
+            from torsh_distributed.federated.monitor import RoundMonitor
+
+            self.monitor = RoundMonitor(
+                job=Path(config.run_dir).name or "federated", rounds=config.rounds, clients=config.clients,
+                metrics_port=config.metrics_port, dashboard_port=config.dashboard_port,
+            )  # fmt: skip
+
+    def on_round(self, record: dict[str, Any]) -> None:
+        if self.monitor is not None:
+            self.monitor.round(record)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
 
     def wrap_strategy(self, strategy: Any) -> Any:
         if not self.privacy.enabled:

@@ -205,18 +205,10 @@ class RoundLoop:
             f"{first}..{cfg.rounds}, deadline {cfg.round_timeout:g} s per round"
         )
         arrays = ArrayRecord(global_state)
-        for server_round in range(first, cfg.rounds + 1):
-            self.checkpoint.mark_started(server_round)
-            arrays, record = self._round(server_round, arrays, ConfigRecord)
-            rounds.append(record)
-            global_state = arrays.to_torch_state_dict()
-            self.checkpoint.save(
-                ServerState(
-                    round=server_round, model=global_state,
-                    strategy=strategy_state(getattr(self.strategy, "inner", self.strategy)),
-                    rounds=rounds, extra=self.hooks.state_dict(),
-                )  # fmt: skip
-            )
+        try:
+            rounds = self._rounds(first, arrays, rounds, config_record=ConfigRecord)
+        finally:
+            self.hooks.close()
         summary = {
             "strategy": cfg.strategy,
             "clients": cfg.clients,
@@ -231,6 +223,20 @@ class RoundLoop:
             summary["final_loss"] = rounds[-1]["loss"]
         _write_json(Path(cfg.run_dir) / SUMMARY, summary)
         return summary
+
+    def _rounds(self, first: int, arrays: Any, rounds: list[dict[str, Any]], *, config_record: Any) -> list[dict[str, Any]]:
+        for server_round in range(first, self.config.rounds + 1):
+            self.checkpoint.mark_started(server_round)
+            arrays, record = self._round(server_round, arrays, config_record)
+            rounds.append(record)
+            self.checkpoint.save(
+                ServerState(
+                    round=server_round, model=arrays.to_torch_state_dict(),
+                    strategy=strategy_state(getattr(self.strategy, "inner", self.strategy)),
+                    rounds=rounds, extra=self.hooks.state_dict(),
+                )  # fmt: skip
+            )
+        return rounds
 
     def _round(self, server_round: int, arrays: Any, config_record: Any) -> tuple[Any, dict[str, Any]]:
         cfg = self.config
@@ -287,6 +293,7 @@ class RoundLoop:
         if errors:
             record["errors"] = errors[:5]
         self.log(_round_line(cfg, record))
+        self.hooks.on_round(record)
         return arrays, record
 
 
@@ -326,6 +333,12 @@ class RoundHooks:
     def round_metrics(self, server_round: int, answered: int, aggregated: bool) -> dict[str, Any]:
         """Extra fields of the round's record (``aggregated``: the round updated the model)."""
         return {}
+
+    def on_round(self, record: dict[str, Any]) -> None:
+        """Called with each finished round's record (monitoring)."""
+
+    def close(self) -> None:
+        """Called once when the loop ends (also on error)."""
 
     def summary(self) -> dict[str, Any]:
         return {}

@@ -118,19 +118,22 @@ function renderAlerts(state) {
 function render(state) {
   const h = state.history || {};
   const xs = h.step || [];
-  document.getElementById("job").textContent = `job ${state.job} · ${state.world_size} ranks`;
-  document.getElementById("progress").textContent = `step ${state.step ?? 0} / ${state.max_steps ?? "?"}`;
+  // a federated run publishes rounds and clients in the same shape (unit, rank_label)
+  const unit = state.unit || "step", who = state.rank_label || "rank";
+  document.getElementById("job").textContent = `job ${state.job} · ${state.world_size} ${who}s`;
+  document.getElementById("progress").textContent = `${unit} ${state.step ?? 0} / ${state.max_steps ?? "?"}`;
   const status = document.getElementById("status");
   status.textContent = state.done ? "finished" : "live";
   status.className = "badge " + (state.done ? "done" : "live");
   document.getElementById("slowest").textContent = state.ranks && state.ranks.length ?
-    `slowest rank ${state.slowest_rank} (${(state.imbalance || 1).toFixed(2)}x median)` : "";
+    `slowest ${who} ${state.slowest_rank} (${(state.imbalance || 1).toFixed(2)}x median)` : "";
   lineChart(document.getElementById("chart-loss"), xs, [{ name: "loss", values: h.loss || [] }]);
-  lineChart(document.getElementById("chart-throughput"), xs, [{ name: "tokens/s", values: h.tokens_per_s || [] }]);
+  lineChart(document.getElementById("chart-throughput"), xs,
+    [{ name: state.throughput_label || "tokens/s", values: h.tokens_per_s || [] }]);
   lineChart(document.getElementById("chart-breakdown"), xs,
     PHASES.map(p => ({ name: p, values: (h[p] || []).map(v => v === null ? null : v * 1e3) })));
   const ranks = state.ranks || [];
-  barChart(document.getElementById("chart-ranks"), ranks.map(r => "rank " + r.rank),
+  barChart(document.getElementById("chart-ranks"), ranks.map(r => who + " " + r.rank),
     ranks.map(r => r.busy * 1e3), state.slowest_rank);
   const comm = h.comm_mbps || [];
   const hasComm = comm.some(v => v !== null && v > 0);

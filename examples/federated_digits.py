@@ -25,6 +25,12 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
+def make_wide_model() -> nn.Module:
+    """A 1.2M-parameter MLP (4.8 MB of fp32 weights) for bandwidth experiments: 64 -> 1024 -> 1024
+    -> 10. The digits need far less; its size is what makes compressed updates matter on a slow link."""
+    return nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
 def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     from sklearn.datasets import load_digits
 

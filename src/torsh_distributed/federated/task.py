@@ -109,7 +109,8 @@ class Task:
 
         data = self._factories._dataset(self.task.dataset, "dataset")
         parts = partition_indices(
-            cfg.partition, data, num_clients=cfg.clients, seed=cfg.seed, alpha=cfg.alpha
+            cfg.partition, data, num_clients=cfg.clients, seed=cfg.seed, alpha=cfg.alpha,
+            min_size=cfg.client.batch_size,  # every client can fill one batch (or a clear error)
         )
         mine = parts[partition_id]
         return ClientData(dataset=Subset(data, mine), describe=f"{len(mine)} samples")

@@ -152,8 +152,10 @@ def test_bad_settings_are_refused_when_the_config_is_built(tmp_path: Path):
         CarbonConfig(scale=True, intensity=300)
     with pytest.raises(ValueError, match=r"^carbon.scale with carbon.max_intensity is not built"):
         CarbonConfig(scale=True, series=series, max_intensity=300)
+    # a series that has ended is refused by the launcher (a later segment may start after its end)
+    old = CarbonConfig(scale=True, series=_csv(tmp_path / "old.csv", (100, 400), start=now - 100))
     with pytest.raises(ValueError, match=r"ends at .* before now .*drop --carbon.scale"):
-        CarbonConfig(scale=True, series=_csv(tmp_path / "old.csv", (100, 400), start=now - 100))
+        old.scale_policy(1, 2).check(now)
     with pytest.raises(ValueError, match=r"^carbon.scale needs --checkpoint.dir DIR"):
         EngineConfig(carbon=CarbonConfig(scale=True, series=series))
     assert CarbonConfig(scale=True, series=series).scale_policy(1, 3).max_size == 3
@@ -169,12 +171,15 @@ def test_bad_settings_are_refused_when_the_config_is_built(tmp_path: Path):
         (["--nproc-per-node", "1:2", "--carbon.scale", "--nnodes", "2", "--master-addr", "127.0.0.1"],
          r"scales the workers of one node: it is not built for --nnodes 2"),
         (["--nproc-per-node", "1:3", "--carbon.scale", "--batch-size", "8"], r"at 3 workers: batch_size 8 .*not divisible"),
+        (["--nproc-per-node", "1:2", "--carbon.scale", "ENDED"], r"ends at .* before now .*drop --carbon.scale"),
     ],
 )
 def test_the_launcher_refuses_a_bad_range_in_one_line_before_any_rank_starts(tmp_path, capfd, flags, message):
     from torsh_distributed.cli.main import main
 
-    series = _csv(tmp_path / "s.csv", (100, 400, 100), start=datetime.now(tz=timezone.utc).timestamp(), slot=600)
+    start = datetime.now(tz=timezone.utc).timestamp() - (2000 if "ENDED" in flags else 0)
+    flags = [f for f in flags if f != "ENDED"]
+    series = _csv(tmp_path / "s.csv", (100, 400, 100), start=start, slot=600)
     scale = ["--carbon.series", series, "--checkpoint.dir", str(tmp_path / "ckpt")] if "--carbon.scale" in flags else []
     assert main(["train", "--preset", "tiny", "--progress", "false", *scale, *flags]) == 2
     err = capfd.readouterr().err.strip().splitlines()

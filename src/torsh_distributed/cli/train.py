@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import typing
 import warnings
 from collections.abc import Sequence
@@ -403,6 +404,8 @@ def _launch_scaled(
         except ValueError as exc:
             raise ValueError(f"--nproc-per-node {low}:{high} at {size} workers: {exc}") from None
     policy = config.carbon.scale_policy(low, high)
+    # here, not at config construction: a later segment may start after the series' end
+    policy.check(time.time())
 
     def choose(now: float) -> tuple[int, dict[str, Any]]:
         target = policy.target(now)

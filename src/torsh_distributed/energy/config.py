@@ -108,12 +108,6 @@ class CarbonConfig:
         intensity = self.resolve()  # a bad series or region fails here, before any rank starts
         if self.max_intensity:
             self.shift_policy(intensity).check(time.time())
-        if self.scale:
-            from torsh_distributed.energy.carbon import IntensitySeries
-            from torsh_distributed.energy.scale import check_ahead
-
-            assert isinstance(intensity, IntensitySeries)
-            check_ahead(intensity, time.time())
 
     def shift_policy(self, intensity: Intensity | None = None, *, start: float | None = None) -> ShiftPolicy:
         """The time-shifting policy of these settings (a duration deadline counts from

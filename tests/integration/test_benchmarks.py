@@ -28,3 +28,21 @@ def test_bench_inference_smoke() -> None:
     assert "TP=2 tokens == TP=1 tokens (batch 1 and every batch): True" in out, out
     assert "TP=1 no-cache tokens == TP=1 cached tokens (batch 1): True" in out, out
     assert "every TP rank returned the same tokens: True" in out, out
+
+
+def test_bench_federated_check() -> None:
+    # a real run (SuperLink, SuperNodes, a ClientApp process per client-round) takes ~30 s even
+    # with 2 clients and 1 round: this checks that every run's flags still parse into the intended
+    # config with the current CLI, and that a seed giving every Dirichlet client a batch is found
+    out = _run("bench_federated.py", "--check", timeout=60)
+    assert "Dirichlet(0.1) client sizes" in out, out
+    for line in (
+        "check iid-vs-dirichlet: FedAvg, IID: strategy fedavg, partition iid,",
+        "check iid-vs-dirichlet: FedAvg, Dirichlet(0.1): strategy fedavg, partition dirichlet, alpha 0.1,",
+        "check stragglers: FedAvg, drop stragglers: strategy fedavg, partition dirichlet, alpha 0.1,",
+        "check stragglers: FedProx mu=0.01, keep: strategy fedprox, partition dirichlet, alpha 0.1,",
+        "check stragglers: FedAdam eta=0.1, keep: strategy fedadam, partition dirichlet, alpha 0.1,",
+        "check corpus: built-in corpus by package: strategy fedavg, partition package,",
+    ):
+        assert line in out, out
+    assert out.count("stragglers 0.3 (drop)") == 1 and out.count("stragglers 0.3 (keep)") == 2, out

@@ -33,6 +33,10 @@ def test_the_cleanest_slot_gets_max_the_dirtiest_min_and_linear_in_between():
     policy = ScalePolicy(_series((100, 500, 300, 233, 367)), 1, 4)
     assert [policy.size_for(v) for v in (100, 500, 300, 233, 367)] == [4, 1, 2, 3, 2]
     assert policy.size_for(None) == 4  # no data: as a carbon-agnostic job runs
+    only = ScalePolicy(_series((100, 500, 300, 233, 367)), 1, 4, sizes=(1, 2, 4))  # 3 cannot run
+    assert [only.size_for(v) for v in (100, 500, 300, 233, 367)] == [4, 1, 2, 2, 2]  # rounds down
+    with pytest.raises(ValueError, match=r"sizes \[2, 4\] must run from 1 to 4"):
+        ScalePolicy(_series((100, 200)), 1, 4, sizes=(2, 4))
     assert ScalePolicy(_series((200, 200)), 1, 3).size_for(200) == 3  # a flat series never scales
     with pytest.raises(ValueError, match=r"1 <= MIN < MAX workers, got 2:2"):
         ScalePolicy(_series((100, 200)), 2, 2)
@@ -131,13 +135,13 @@ def _segment(index: int, size: int, start: int, end: int, *, stop: bool) -> dict
 
 def test_the_summary_lists_each_decision_and_totals_the_segments():
     segments = [_segment(0, 2, 0, 40, stop=True), _segment(1, 1, 40, 55, stop=True), _segment(2, 2, 55, 100, stop=False)]
-    got = scaling_summary(segments, min_size=1, max_size=2)
+    got = scaling_summary(segments, sizes=[1, 2])
     assert got["world_sizes"] == [2, 1, 2] and got["restarts"] == 2 and got["steps"] == 100
     assert got["decisions"][1] == {"unix_s": T0 + 10, "step": 40, "intensity": 100.0, "world_size": 1}
     assert got["joules"] == pytest.approx(9.0) and got["grams"] == pytest.approx(0.75)
     assert got["wall_s"] == pytest.approx(28.0)
     segments[1]["grams"] = None  # a segment with metering off: no total rather than a wrong one
-    assert scaling_summary(segments, min_size=1, max_size=2)["grams"] is None
+    assert scaling_summary(segments, sizes=[1, 2])["grams"] is None
 
 
 def _csv(path: Path, values: tuple[float, ...], *, start: float, slot: float = 2.0) -> str:
@@ -155,10 +159,10 @@ def test_bad_settings_are_refused_when_the_config_is_built(tmp_path: Path):
     # a series that has ended is refused by the launcher (a later segment may start after its end)
     old = CarbonConfig(scale=True, series=_csv(tmp_path / "old.csv", (100, 400), start=now - 100))
     with pytest.raises(ValueError, match=r"ends at .* before now .*drop --carbon.scale"):
-        old.scale_policy(1, 2).check(now)
+        old.scale_policy([1, 2]).check(now)
     with pytest.raises(ValueError, match=r"^carbon.scale needs --checkpoint.dir DIR"):
         EngineConfig(carbon=CarbonConfig(scale=True, series=series))
-    assert CarbonConfig(scale=True, series=series).scale_policy(1, 3).max_size == 3
+    assert CarbonConfig(scale=True, series=series).scale_policy([1, 3]).sizes == (1, 3)
 
 
 @pytest.mark.parametrize(
@@ -170,7 +174,7 @@ def test_bad_settings_are_refused_when_the_config_is_built(tmp_path: Path):
         (["--nproc-per-node", "1:x", "--carbon.scale"], r"must be two integers, got '1:x'"),
         (["--nproc-per-node", "1:2", "--carbon.scale", "--nnodes", "2", "--master-addr", "127.0.0.1"],
          r"scales the workers of one node: it is not built for --nnodes 2"),
-        (["--nproc-per-node", "1:3", "--carbon.scale", "--batch-size", "8"], r"at 3 workers: batch_size 8 .*not divisible"),
+        (["--nproc-per-node", "2:3", "--carbon.scale", "--batch-size", "8"], r"2:3 at 3 workers: batch_size 8 .*not divisible"),
         (["--nproc-per-node", "1:2", "--carbon.scale", "ENDED"], r"ends at .* before now .*drop --carbon.scale"),
     ],
 )
@@ -205,7 +209,7 @@ def test_the_segment_loop_relaunches_at_the_size_chosen_now_until_a_segment_asks
     lines: list[str] = []
     code = resize.launch_resizing(
         LaunchOptions(nproc_per_node=2), choose=lambda now: (next(sizes), {"intensity": 1.0, "text": "why"}),
-        min_size=1, max_size=2, module="m", args=["--x"], write=lines.append,
+        sizes=[1, 2], module="m", args=["--x"], write=lines.append,
     )
     assert code == 0 and [n for n, _ in launched] == [2, 1, 2]
     assert lines == ["torsh-dist: segment 0: 2 worker(s) (why)", "torsh-dist: segment 1: 1 worker(s) (why)",
@@ -216,19 +220,38 @@ def test_the_segment_loop_returns_a_failed_segments_code_and_refuses_several_nod
     launch_module = importlib.import_module("torsh_distributed.elastic.launch")
 
     monkeypatch.setattr(launch_module, "launch", lambda options, **kw: 3)
-    assert resize.launch_resizing(LaunchOptions(), choose=lambda now: (1, {}), min_size=1, max_size=2,
-                                  module="m") == 3
+    assert resize.launch_resizing(LaunchOptions(), choose=lambda now: (1, {}), sizes=[1, 2], module="m") == 3
     with pytest.raises(ValueError, match=r"resizing runs on one node, got nnodes='1:2'"):
         resize.launch_resizing(LaunchOptions(nnodes="1:2", rdzv_endpoint="127.0.0.1:1"),
-                               choose=lambda now: (1, {}), min_size=1, max_size=2, module="m")
-    with pytest.raises(ValueError, match=r"choose gave world size 5, outside \[1, 2\]"):
-        resize.launch_resizing(LaunchOptions(), choose=lambda now: (5, {}), min_size=1, max_size=2, module="m")
+                               choose=lambda now: (1, {}), sizes=[1, 2], module="m")
+    with pytest.raises(ValueError, match=r"choose gave world size 3, not one of \[1, 2, 4\]"):
+        resize.launch_resizing(LaunchOptions(), choose=lambda now: (3, {}), sizes=[4, 1, 2], module="m")
     log = tmp_path / "log.jsonl"
     resize.append_record(log, {"index": 0})
     resize.append_record(log, {"index": 1, "stop": None})
     assert resize.read_records(log) == [{"index": 0}, {"index": 1, "stop": None}]
     assert resize.read_records(tmp_path / "none.jsonl") == []
-    env = {resize.SEGMENT_ENV: json.dumps({"index": 1, "world_size": 2, "min_size": 1, "max_size": 2,
+    env = {resize.SEGMENT_ENV: json.dumps({"index": 1, "world_size": 2, "sizes": [1, 2, 4],
                                            "launched_unix_s": T0, "why": {}, "log": str(log)})}
-    assert resize.current_segment(env) == resize.Segment(1, 2, 1, 2, T0, {}, str(log))
+    seg = resize.current_segment(env)
+    assert seg == resize.Segment(1, 2, [1, 2, 4], T0, {}, str(log)) and (seg.min_size, seg.max_size) == (1, 4)
     assert resize.current_segment({}) is None
+
+
+def test_the_launcher_skips_a_size_the_batch_cannot_split_into_and_says_so(tmp_path, capfd, monkeypatch):
+    from torsh_distributed.cli.main import main
+
+    got: dict[str, Any] = {}
+
+    def fake(options: LaunchOptions, *, choose: Any, sizes: list[int], module: str, args: Any) -> int:
+        got.update(sizes=sizes, first=choose(datetime.now(tz=timezone.utc).timestamp()))
+        return 0
+
+    monkeypatch.setattr(resize, "launch_resizing", fake)
+    series = _csv(tmp_path / "s.csv", (400, 100), start=datetime.now(tz=timezone.utc).timestamp() - 1, slot=600)
+    assert main(["train", "--preset", "tiny", "--nproc-per-node", "1:4", "--batch-size", "8", "--carbon.scale",
+                 "--carbon.series", series, "--checkpoint.dir", str(tmp_path / "ckpt")]) == 0
+    out = capfd.readouterr().out
+    assert "torsh-dist: carbon scaling skips world size 3 (batch_size 8 (global) is not divisible" in out
+    assert got["sizes"] == [1, 2, 4] and got["first"][0] == 1  # the dirty slot: 1 worker
+    assert got["first"][1]["intensity"] == 400 and got["first"][1]["text"].startswith("carbon: intensity 400 g/kWh at ")

@@ -398,12 +398,18 @@ def _launch_scaled(
     from torsh_distributed.energy.shift import clock_text
 
     low, high = sizes
+    runnable, skipped = [], []
     for size in range(low, high + 1):  # every size the job may run at, before any rank starts
         try:
             _check_world(config, size, user)
+            runnable.append(size)
         except ValueError as exc:
-            raise ValueError(f"--nproc-per-node {low}:{high} at {size} workers: {exc}") from None
-    policy = config.carbon.scale_policy(low, high)
+            if size in (low, high):
+                raise ValueError(f"--nproc-per-node {low}:{high} at {size} workers: {exc}") from None
+            skipped.append(f"{size} ({exc})")
+    if skipped:
+        print(f"torsh-dist: carbon scaling skips world size {'; '.join(skipped)}", flush=True)
+    policy = config.carbon.scale_policy(runnable)
     # here, not at config construction: a later segment may start after the series' end
     policy.check(time.time())
 
@@ -415,7 +421,7 @@ def _launch_scaled(
                                    "text": f"carbon: {where} at {clock_text(now)}"}
 
     return launch_resizing(
-        options, choose=choose, min_size=low, max_size=high, module="torsh_distributed.train",
+        options, choose=choose, sizes=runnable, module="torsh_distributed.train",
         args=["--config-json", config.to_json(), *(user.to_args() if user else [])],
     )
 

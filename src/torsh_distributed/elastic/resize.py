@@ -47,14 +47,22 @@ class Segment:
     index: int
     """0 for the first launch, one more per change of size."""
     world_size: int
-    min_size: int
-    max_size: int
+    sizes: list[int]
+    """The sizes the job may run at, ascending."""
     launched_unix_s: float
     """When the launcher started it: the first step minus this is what a restart costs."""
     why: dict[str, Any]
     """What the launcher's ``choose`` said (for carbon scaling: the intensity)."""
     log: str
     """The segment log (JSON lines; the job's rank 0 appends one record per segment)."""
+
+    @property
+    def min_size(self) -> int:
+        return self.sizes[0]
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
 
 
 def current_segment(environ: Mapping[str, str] | None = None) -> Segment | None:
@@ -85,8 +93,7 @@ def launch_resizing(
     options: LaunchOptions,
     *,
     choose: Choose,
-    min_size: int,
-    max_size: int,
+    sizes: Sequence[int],
     module: str,
     args: Sequence[str] = (),
     write: Callable[[str], None] = print,
@@ -96,10 +103,8 @@ def launch_resizing(
 
     Args:
         options: Launch options; ``nproc_per_node`` is replaced by each segment's size.
-        choose: The size to launch at now, and why (see :data:`Choose`); must lie in
-            ``[min_size, max_size]``.
-        min_size: Fewest workers.
-        max_size: Most workers.
+        choose: The size to launch at now, and why (see :data:`Choose`); one of ``sizes``.
+        sizes: The worker counts the job may run at.
         module: The job's module (``python -m``).
         args: Its arguments.
         write: Prints a line (each launch's size and why).
@@ -109,10 +114,11 @@ def launch_resizing(
         for another size.
 
     Raises:
-        ValueError: more than one node, or ``choose`` gave a size outside the range.
+        ValueError: more than one node, or ``choose`` gave a size not in ``sizes``.
     """
     from torsh_distributed.elastic.launch import launch
 
+    allowed = sorted(set(sizes))
     if options.max_nodes != 1:
         raise ValueError(f"resizing runs on one node, got nnodes={options.nnodes!r}")
     work = tempfile.mkdtemp(prefix="torsh-resize-")
@@ -122,10 +128,10 @@ def launch_resizing(
         while True:
             now = time.time()
             size, why = choose(now)
-            if not min_size <= size <= max_size:
-                raise ValueError(f"choose gave world size {size}, outside [{min_size}, {max_size}]")
-            segment = Segment(index=index, world_size=size, min_size=min_size, max_size=max_size,
-                              launched_unix_s=now, why=dict(why), log=log)
+            if size not in allowed:
+                raise ValueError(f"choose gave world size {size}, not one of {allowed}")
+            segment = Segment(index=index, world_size=size, sizes=allowed, launched_unix_s=now,
+                              why=dict(why), log=log)
             reason = why.get("text", "")
             write(f"torsh-dist: segment {index}: {size} worker(s){f' ({reason})' if reason else ''}")
             sys.stdout.flush()

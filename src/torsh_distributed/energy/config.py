@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -128,11 +129,11 @@ class CarbonConfig:
             deadline = (time.time() if start is None else start) + value if kind == "after" else value
         return ShiftPolicy(series, self.max_intensity, deadline)
 
-    def scale_policy(self, min_size: int, max_size: int, intensity: Intensity | None = None) -> ScalePolicy:
-        """The scaling policy of these settings between ``min_size`` and ``max_size`` workers.
+    def scale_policy(self, sizes: Sequence[int], intensity: Intensity | None = None) -> ScalePolicy:
+        """The scaling policy of these settings over the world sizes ``sizes`` (at least two).
 
         Raises:
-            ValueError: no series, or not ``1 <= min_size < max_size``.
+            ValueError: no series, or fewer than two sizes.
         """
         from torsh_distributed.energy.carbon import IntensitySeries
         from torsh_distributed.energy.scale import ScalePolicy
@@ -140,7 +141,7 @@ class CarbonConfig:
         series = self.resolve() if intensity is None else intensity
         if not isinstance(series, IntensitySeries):
             raise ValueError("carbon: scaling needs --carbon.series")
-        return ScalePolicy(series, min_size, max_size)
+        return ScalePolicy(series, min(sizes), max(sizes), tuple(sizes))
 
     def resolve(self) -> Intensity:
         """The intensity these settings name (parses the series file)."""

@@ -10,8 +10,9 @@ order does not depend on the world size, so the resumed job trains the same step
 Three parts:
 
 * :class:`ScalePolicy` is the rule, pure and clock-free: the series' cleanest slot gets MAX
-  workers, its dirtiest MIN, linearly in between (rounded to the nearest size); outside the
-  series, MAX (there is no intensity to scale by: the job runs as a carbon-agnostic one would).
+  workers, its dirtiest MIN, linearly in between (rounded to the nearest size, then down to a
+  size the job can run at: one the global batch divides); outside the series, MAX (there is no
+  intensity to scale by: the job runs as a carbon-agnostic one would).
 * :class:`CarbonScale` drives it in the loop: rank 0 checks at the steps when the target may
   have changed (the time to the next change halved at each check, as time shifting does) and
   broadcasts the decision, so every rank stops at the same step. A change is made only when it
@@ -26,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,11 +58,14 @@ class ScalePolicy:
         series: The intensity series (absolute slots).
         min_size: World size in the dirtiest slot (>= 1).
         max_size: World size in the cleanest slot and outside the series (> ``min_size``).
+        sizes: The sizes the job can run at, with ``min_size`` and ``max_size`` (empty: every
+            size between them); a linear target between two of them rounds down.
     """
 
     series: IntensitySeries
     min_size: int
     max_size: int
+    sizes: tuple[int, ...] = ()
     _targets: tuple[int, ...] = field(init=False, repr=False)
     _change_at: tuple[float, ...] = field(init=False, repr=False)
 
@@ -70,6 +74,10 @@ class ScalePolicy:
             raise ValueError(
                 f"carbon scaling needs 1 <= MIN < MAX workers, got {self.min_size}:{self.max_size}"
             )
+        sizes = tuple(sorted(set(self.sizes))) or tuple(range(self.min_size, self.max_size + 1))
+        if sizes[0] != self.min_size or sizes[-1] != self.max_size:
+            raise ValueError(f"carbon scaling sizes {list(sizes)} must run from {self.min_size} to {self.max_size}")
+        object.__setattr__(self, "sizes", sizes)
         targets = tuple(self.size_for(v) for v in self.series.values)
         n = len(targets)
         # for slot i: when the target first differs from slot i's (the series' end counts, where
@@ -89,7 +97,8 @@ class ScalePolicy:
         if intensity is None or high <= low:
             return self.max_size
         dirty = min(max((intensity - low) / (high - low), 0.0), 1.0)
-        return self.max_size - math.floor(dirty * (self.max_size - self.min_size) + 0.5)
+        linear = self.max_size - math.floor(dirty * (self.max_size - self.min_size) + 0.5)
+        return self.sizes[bisect.bisect_right(self.sizes, linear) - 1]
 
     def target(self, now: float) -> Target:
         """The world size at unix time ``now`` and how long it holds."""
@@ -233,19 +242,21 @@ def _span(seconds: float) -> str:
     return "to the end of the series and after" if math.isinf(seconds) else f"{seconds:.1f} s"
 
 
-def scaling_summary(segments: list[dict[str, Any]], *, min_size: int, max_size: int) -> dict[str, Any]:
+def scaling_summary(segments: list[dict[str, Any]], *, sizes: Sequence[int]) -> dict[str, Any]:
     """The ``carbon.scaling`` block of the job from its segments, oldest first.
 
     Each segment is ``{"index", "world_size", "launched_unix_s", "intensity" (at the launch),
     "start_step", "end_step", "first_step_unix_s", "ended_unix_s", "joules", "grams",
     "stop", "kept", "checks", "restart_s"}``; the job's figures are their sums, and
-    ``decisions`` lists each segment's ``(unix_s, step, intensity, world_size)``.
+    ``decisions`` lists each segment's ``(unix_s, step, intensity, world_size)``; ``sizes`` are
+    the world sizes the job could run at.
     """
     joules = [s.get("joules") for s in segments]
     grams = [s.get("grams") for s in segments]
     return {
-        "min_world_size": min_size,
-        "max_world_size": max_size,
+        "min_world_size": min(sizes),
+        "max_world_size": max(sizes),
+        "sizes": sorted(sizes),
         "decisions": [
             {"unix_s": s["launched_unix_s"], "step": s["start_step"], "intensity": s.get("intensity"),
              "world_size": s["world_size"]}

@@ -61,7 +61,7 @@ class CarbonControl:
             )
         seg = self.segment
         self.scale = CarbonScale(
-            carbon.scale_policy(seg.min_size, seg.max_size) if seg is not None else None,
+            carbon.scale_policy(seg.sizes) if seg is not None else None,
             world_size=world_size, main=main, start_step=start_step, max_steps=cfg.max_steps,
             launched_at=seg.launched_unix_s if seg is not None else None, write=write, device=device,
         )
@@ -103,5 +103,5 @@ class CarbonControl:
         earlier = [r for r in read_records(seg.log) if r.get("index", -1) < seg.index]
         if self.main:
             append_record(seg.log, record)
-        out["scaling"] = scaling_summary([*earlier, record], min_size=seg.min_size, max_size=seg.max_size)
+        out["scaling"] = scaling_summary([*earlier, record], sizes=seg.sizes)
         return out

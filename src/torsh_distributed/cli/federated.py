@@ -50,7 +50,10 @@ def _sections() -> list[tuple[str, type]]:
 
 def _scalar_fields(cls: type) -> list[dataclasses.Field[Any]]:
     hints = typing.get_type_hints(cls)
-    return [f for f in dataclasses.fields(cls) if hints[f.name] in (int, float, str, bool)]
+    return [
+        f for f in dataclasses.fields(cls)
+        if hints[f.name] in (int, float, str, bool) and not f.metadata.get("internal")
+    ]
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -50,11 +50,21 @@ def _train(msg: Message, context: Context) -> Message:
 
     config_record = msg.content["config"]
     config = FederatedConfig.from_dict(json.loads(str(config_record["spec"])))
-    server_round = int(config_record["server-round"])
+    server_round = int(config_record["server-round"]) + config.round_offset
     mu = float(config_record["proximal-mu"]) if "proximal-mu" in config_record else 0.0
-    pid = _node_partition(context, config.clients)
     global_state = msg.content["arrays"].to_torch_state_dict()
-    result = train_round(config, global_state, partition_id=pid, server_round=server_round, proximal_mu=mu)
+    if "region-id" in context.node_config:  # a regional aggregator: one round of its own clients
+        from torsh_distributed.federated.hierarchy import regional_round
+
+        region = int(context.node_config["region-id"])
+        result = regional_round(
+            config, global_state, region=region, server_round=server_round,
+            superlink=str(context.node_config["region-superlink"]), proximal_mu=mu,
+        )  # fmt: skip
+        pid = region  # the server's per-client rows mark it "region"
+    else:
+        pid = _node_partition(context, config.clients)
+        result = train_round(config, global_state, partition_id=pid, server_round=server_round, proximal_mu=mu)
     state = result.state
     if _CLIP in config_record:  # client-side clipping of DP: clip the update before it leaves
         state = _clip(global_state, state, float(config_record[_CLIP]))
@@ -67,6 +77,7 @@ def _train(msg: Message, context: Context) -> Message:
             "steps": result.steps,
             "seconds": result.seconds,
             "straggler": int(result.straggler),
+            **({"region": 1} if "region-id" in context.node_config else {}),
         }
     )
     content = RecordDict({"metrics": metrics})

@@ -150,6 +150,19 @@ class FederatedConfig:
     update gets noisier; see docs/federated.md)."""
     error_feedback: bool = True
     """Each client keeps what compression did not send and adds it to its next update."""
+    regions: int = 0
+    """Two-level aggregation (edge -> region -> server): 0 = every client reports to the server;
+    R = the clients are dealt to R regions in contiguous blocks of partition ids, each region has
+    its own SuperLink whose aggregator (FedAvg over its clients, weighted by samples) reports one
+    update to the server, where ``strategy`` combines the regions."""
+    nodes: int = field(default=0, metadata={"internal": True})
+    """(Internal) nodes the server waits for; 0 = ``regions`` or else ``clients``."""
+    round_offset: int = field(default=0, metadata={"internal": True})
+    """(Internal) added to Flower's round number for the clients' seeds: a region's one-round run
+    inside round k of the top level trains exactly like round k of a flat run."""
+    initial_state: str = field(default="", metadata={"internal": True})
+    """(Internal) weights (``torch.save``, loaded ``weights_only``) a fresh run starts from instead
+    of the seeded model: the global model a region receives."""
     metrics_port: int = 0
     """Serve per-round and per-client Prometheus gauges (torsh_federated_*) on 127.0.0.1:PORT
     of the server's host (0 = off)."""
@@ -194,6 +207,13 @@ class FederatedConfig:
             raise ValueError(
                 f"federated.straggler_policy must be keep or drop, got {self.straggler_policy!r}"
             )
+        if not 0 <= self.regions <= self.clients:
+            raise ValueError(f"federated.regions must be in [0, clients={self.clients}], got {self.regions}")
+        if self.regions and self.regions < self.min_clients:
+            raise ValueError(
+                f"with {self.regions} regions the server hears {self.regions} updates per round: "
+                f"min_clients ({self.min_clients}) must be <= regions"
+            )
         for name in ("metrics_port", "dashboard_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"federated.{name} must be a TCP port (0 = off), got {getattr(self, name)}")
@@ -227,6 +247,17 @@ class FederatedConfig:
         task = TaskConfig(**data.pop("task", {}))
         privacy = PrivacyConfig(**data.pop("privacy", {}))
         return cls(client=client, task=task, privacy=privacy, **data)
+
+    @property
+    def expected_nodes(self) -> int:
+        """Nodes the server's SuperLink should see: regions, or clients."""
+        return self.nodes or self.regions or self.clients
+
+    def region_members(self, region: int) -> list[int]:
+        """Partition ids of region ``region`` (contiguous blocks, sizes differ by at most 1)."""
+        base, extra = divmod(self.clients, self.regions)
+        start = region * base + min(region, extra)
+        return list(range(start, start + base + (region < extra)))
 
     @property
     def sampled_per_round(self) -> int:

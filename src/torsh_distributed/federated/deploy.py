@@ -201,13 +201,13 @@ class Federation:
         """Where nodes join: the SuperLink itself on loopback, else the relay."""
         return f"{self.host}:{self.port}"
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, cmd: list[str], *, home: Path | None = None) -> subprocess.Popen[bytes]:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = (log_dir / f"{name}.log").open("ab")
         self._logs.append(log)
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(self.run_dir / "flwr" / "home"),
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(home or self.run_dir / "flwr" / "home"),
             cwd=self.run_dir,
             start_new_session=True,
         )  # fmt: skip
@@ -222,20 +222,17 @@ class Federation:
             exposed = not _is_loopback(self.host)
             self.port = self.port or free_port(self.host)
             self._link_port = free_port() if exposed else self.port
-            superlink = self._spawn(
-                "superlink",
-                [
-                    _bin("flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                    "--port", str(self._link_port), "--database", str(self.run_dir / "flwr" / "superlink.db"),
-                ],
-            )  # fmt: skip
-            _wait_port("127.0.0.1", self._link_port, superlink, what="flower-superlink", timeout=60)
+            self.start_superlink("superlink", self.run_dir / "flwr", port=self._link_port)
             if exposed:
                 self._relay = Relay(
                     role="server", listen=(self.host, self.port), target=("127.0.0.1", self._link_port),
                     token=self.token.encode(),
                 ).start()  # fmt: skip
-            if self.local_nodes:
+            if self.local_nodes and self.config.regions:
+                from torsh_distributed.federated.hierarchy import start_regions
+
+                start_regions(self)
+            elif self.local_nodes:
                 for pid in range(self.config.clients):
                     cmd = supernode_command(
                         self.address, partition_id=pid, num_partitions=self.config.clients,
@@ -245,6 +242,19 @@ class Federation:
             yield self
         finally:
             self.stop()
+
+    def start_superlink(self, name: str, state_dir: Path, *, port: int = 0) -> int:
+        """Start a SuperLink on 127.0.0.1 (its database in ``state_dir``); returns its port."""
+        port = port or free_port()
+        state_dir.mkdir(parents=True, exist_ok=True)
+        proc = self._spawn(
+            name,
+            [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+             "--database", str(state_dir / "superlink.db")],
+            home=state_dir / "home",
+        )  # fmt: skip
+        _wait_port("127.0.0.1", port, proc, what=name, timeout=60)
+        return port
 
     def submit(self, *, timeout: float) -> int:
         """Submit the run and stream it until it ends; returns ``flwr run``'s exit code.
@@ -266,6 +276,7 @@ class Federation:
         spec.write_text(self.config.to_json())
         env = _env(home)
         cmd = [_bin("flwr"), "run", str(app), "torsh", "--stream", "--run-config", f'spec="{spec}"']
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / "logs" / "flwr-run.log").open("ab")
         self._logs.append(log)
         proc = subprocess.Popen(

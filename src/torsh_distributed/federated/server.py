@@ -183,6 +183,8 @@ class RoundLoop:
         first = 1
         resumed_from = 0
         global_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if cfg.initial_state:
+            global_state = torch.load(cfg.initial_state, weights_only=True)
         lost = 0
         if state is not None:
             global_state, rounds, first = state.model, state.rounds, state.round + 1
@@ -194,10 +196,10 @@ class RoundLoop:
                 f"federated: resuming after round {state.round} of {cfg.rounds} "
                 f"({lost} round(s) in progress were lost and are redone)"
             )
-        connected = wait_for_clients(self.grid, min(cfg.clients, max(cfg.min_clients, 1)), timeout=120.0)
+        connected = wait_for_clients(self.grid, min(cfg.expected_nodes, max(cfg.min_clients, 1)), timeout=120.0)
         if first == 1:
-            wait_for_clients(self.grid, cfg.clients, timeout=120.0)
-            initial = self._evaluate(global_state)
+            wait_for_clients(self.grid, cfg.expected_nodes, timeout=120.0)
+            initial = self._evaluate(global_state) if not cfg.initial_state else {}
             if initial:
                 self.log(f"federated: round 0 (initial model) val loss {initial['loss']:.4f}")
         self.log(
@@ -261,6 +263,7 @@ class RoundLoop:
                 "seconds": _metric(m, "seconds"),
                 "straggler": bool(_metric(m, "straggler")),
                 "bytes": self.hooks.reply_bytes(m),
+                **({"region": True} if _metric(m, "region") else {}),
             }
             for m in ok
         ]

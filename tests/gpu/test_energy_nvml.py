@@ -1,6 +1,6 @@
 """NVML energy against a second reading: nvidia-smi's power draw sampled over the same interval
-of real GPU work. Skipped without CUDA, nvidia-ml-py or nvidia-smi; not yet run on a GPU (none
-was lent when it was written)."""
+of real GPU work. Skipped without CUDA, nvidia-ml-py or nvidia-smi; passed on an H100 (driver
+580, torch 2.11) on 2026-11-26."""
 
 from __future__ import annotations
 

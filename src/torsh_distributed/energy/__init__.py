@@ -3,7 +3,8 @@
 Meters behind one :class:`EnergyMeter` protocol (RAPL through powercap, NVML, and an estimate
 from CPU time where neither is readable), an :class:`EnergyTracker` the loop calls once per step,
 carbon from a constant, a region's annual average or an intensity time series, and carbon-aware
-time shifting (:class:`TimeShift`: pause while the series is above a threshold).
+time shifting (:class:`TimeShift`: pause while the series is above a threshold) and scaling
+(:class:`ScalePolicy`, :class:`CarbonScale`: more workers while the series is clean).
 """
 
 from torsh_distributed.energy.auto import open_meter
@@ -19,12 +20,14 @@ from torsh_distributed.energy.estimate import CpuTimeEstimate
 from torsh_distributed.energy.meters import METERS, EnergyMeter, MeterUnavailableError
 from torsh_distributed.energy.nvml import NvmlMeter
 from torsh_distributed.energy.rapl import RaplMeter
+from torsh_distributed.energy.scale import CarbonScale, ScalePolicy, scaling_summary
 from torsh_distributed.energy.shift import ShiftPolicy, TimeShift, parse_deadline
 from torsh_distributed.energy.tracker import EnergyTracker, combine
 
 __all__ = [
     "METERS",
     "CarbonConfig",
+    "CarbonScale",
     "ConstantIntensity",
     "CpuTimeEstimate",
     "EnergyConfig",
@@ -34,6 +37,7 @@ __all__ = [
     "MeterUnavailableError",
     "NvmlMeter",
     "RaplMeter",
+    "ScalePolicy",
     "ShiftPolicy",
     "TimeShift",
     "combine",
@@ -42,4 +46,5 @@ __all__ = [
     "open_meter",
     "parse_deadline",
     "region_intensity",
+    "scaling_summary",
 ]

@@ -31,7 +31,6 @@ from torsh_distributed.inference._decode import (
     _agree,
     _full,
     _Row,
-    eval_mode,
     make_rows,
     model_device,
 )
@@ -89,7 +88,8 @@ class ContinuousBatcher:
     """Runs rows of a :class:`TextGenerator` with iteration-level scheduling (module doc).
 
     Args:
-        generator: Model, tokenizer, tensor-parallel group (``forward_cached`` required).
+        generator: Model, tokenizer, tensor-parallel group (``forward_cached`` required). The
+            model is put in eval mode (no dropout) and left so.
         max_rows: Rows running at most (the slot cache's rows).
         max_len: Slots per row: the longest prompt plus completion (the model's context).
         max_batch_tokens: Tokens one iteration may feed (one per running row plus the prompts
@@ -102,6 +102,9 @@ class ContinuousBatcher:
     ) -> None:
         self.generator = generator
         self.model = generator.model
+        # served models decode in eval mode for the engine's life (no dropout); switching modes
+        # around every step would walk every module each step
+        self.model.eval()
         self.device = model_device(generator.model)
         self.cache = SlotKVCache(max_rows=max_rows, max_len=max_len, device=self.device)
         self.max_rows = max_rows
@@ -129,7 +132,7 @@ class ContinuousBatcher:
         if cancel:
             gone = set(cancel)
             self._retire([i for i, r in enumerate(self.rows) if r.id in gone])
-        with torch.no_grad(), eval_mode(self.model):
+        with torch.no_grad():
             if self.rows:
                 self._decode(events)
             if joins:

@@ -255,3 +255,23 @@ def test_the_launcher_skips_a_size_the_batch_cannot_split_into_and_says_so(tmp_p
     assert "torsh-dist: carbon scaling skips world size 3 (batch_size 8 (global) is not divisible" in out
     assert got["sizes"] == [1, 2, 4] and got["first"][0] == 1  # the dirty slot: 1 worker
     assert got["first"][1]["intensity"] == 400 and got["first"][1]["text"].startswith("carbon: intensity 400 g/kWh at ")
+
+
+def test_the_energy_report_lists_the_segments_and_the_pauses():
+    from torsh_distributed.energy.report import format_report
+
+    segments = [_segment(0, 2, 0, 40, stop=True), _segment(1, 1, 40, 100, stop=False)]
+    energy = {"joules": 4.5, "source": "estimated", "meter": "estimate", "steps": 60, "seconds": 8.0,
+              "average_power_w": 0.5, "joules_per_step": 0.075, "ranks": []}
+    carbon = {"grams": 0.25, "intensity_source": "series", "intensity_g_per_kwh": 100.0,
+              "scaling": scaling_summary(segments, sizes=[1, 2]),
+              "pauses": [{"step": 7, "start": T0, "seconds": 2.0, "intensity": 412.0}], "paused_s": 2.0,
+              "max_intensity_g_per_kwh": 300.0, "deadline": None}
+    text = format_report({"energy": energy, "carbon": carbon})
+    assert "  shifting: 1 pause(s), 2.0 s paused while above 300 g/kWh" in text
+    assert "    step 7: paused 2.0 s from 2024-03-01 12:00:00 UTC at 412 g/kWh" in text
+    assert ("  scaling:  1 to 2 workers, 1 restart(s); all segments: 4.5 J, 0.5 g CO2e, 100 steps in 18.0 s "
+            "(the figures above are the last segment's)") in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("          ")]
+    assert ["0", "2024-03-01", "12:00:00", "UTC", "0-40", "2", "200", "1.5", "0.25"] in rows
+    assert ["1", "2024-03-01", "12:00:10", "UTC", "40-100", "1", "100", "3", "0.25"] in rows

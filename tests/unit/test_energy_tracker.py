@@ -132,7 +132,8 @@ def test_the_energy_package_imports_no_upper_layer():
                 assert node.module.split(".")[1:2] not in (["engine"], ["train"], ["cli"]), path
 
 
-def test_losses_are_bit_identical_with_metering_on_or_off(capsys):
+def test_losses_are_bit_identical_with_metering_on_or_off(capsys, tmp_path: Path):
+    from torsh_distributed.checkpoint.config import CheckpointConfig
     from torsh_distributed.energy.config import EnergyConfig as Energy
     from torsh_distributed.train import preset
     from torsh_distributed.train.trainer import train
@@ -140,8 +141,9 @@ def test_losses_are_bit_identical_with_metering_on_or_off(capsys):
     def run(meter: str):
         config = preset("tiny")
         config.max_steps, config.batch_size, config.progress, config.threads = 3, 8, False, 1
-        config.data.max_bytes, config.eval_batches = 200_000, 1
+        config.data.max_bytes, config.eval_batches, config.eval_every = 200_000, 1, 2
         config.energy = Energy(meter=meter, interval=1e-9)  # a reading at every step
+        config.checkpoint = CheckpointConfig(dir=str(tmp_path / meter), every=1, async_save=False)
         return train(config)
 
     import os
@@ -161,6 +163,41 @@ def test_losses_are_bit_identical_with_metering_on_or_off(capsys):
     # the first reading, one per step, and the last one at the end of the loop
     assert len(on.energy["ranks"][0]["trace"]) == 5 and on.carbon["intensity_source"] == "default"
     assert off.energy == {} and off.carbon == {}
+    # by phase: the evaluation at step 2 and the saves at steps 1 and 2 (the final ones are not metered)
+    phases = on.energy["ranks"][0]["phases"]
+    assert phases["eval"]["count"] == 1 and phases["checkpoint"]["count"] == 2
+    job = on.energy["phases"]
+    assert set(job) == {"train", "eval", "checkpoint"} and min(job.values()) >= 0
+    assert sum(job.values()) == pytest.approx(on.energy["joules"])
+    from torsh_distributed.energy.report import format_report
+
+    text = format_report({"energy": on.energy, "carbon": on.carbon})
+    assert "  phases:  train " in text and ", eval " in text and ", checkpoint " in text
+
+
+def test_phases_take_their_blocks_joules_and_train_is_the_rest():
+    wall, cpu = _Clock(0.0), _Clock(0.0)
+    tracker = EnergyTracker(EnergyConfig(interval=3600.0), CarbonConfig(intensity=100.0),
+                            meter=CpuTimeEstimate(watts_per_core=10.0, cpu_seconds=cpu), clock=wall)
+    with tracker.phase("eval"):  # before start: nothing to measure against
+        cpu.t += 1.0
+    tracker.start()
+    for step in range(4):
+        wall.t += 1.0
+        cpu.t += 0.5  # 5 J per step
+        tracker.step_end()
+        if step % 2:
+            with tracker.phase("eval"):
+                cpu.t += 0.2  # 2 J
+        with tracker.phase("checkpoint"):
+            cpu.t += 0.1  # 1 J
+    energy, _ = tracker.finish(gather=lambda row: [row])
+    with tracker.phase("checkpoint"):  # after finish (the final save): not counted
+        cpu.t += 1.0
+    assert energy["joules"] == pytest.approx(28.0)
+    assert energy["phases"] == pytest.approx({"train": 20.0, "eval": 4.0, "checkpoint": 4.0})
+    assert energy["ranks"][0]["phases"]["eval"]["count"] == 2
+    assert tracker.phases["checkpoint"][2] == 4
 
 
 def test_tracker_logs_the_latest_reading_to_the_monitor_after_every_step():

@@ -71,6 +71,9 @@ def format_report(data: dict[str, Any], *, path: str | Path = "") -> str:
         + (f", per token {_num(energy['joules_per_token'])} J" if "joules_per_token" in energy else ""),
         f"  meter:   {energy.get('detail', '')}; {energy.get('why', '')}",
     ]
+    if energy.get("phases"):
+        lines.insert(3, "  phases:  " + ", ".join(f"{n} {_num(j)} J" for n, j in energy["phases"].items())
+                     + " (evaluations and checkpoint saves in the loop; the rest is train)")
     if carbon:
         lines.append(
             f"  carbon:  {_num(carbon['grams'])} g CO2e at {_num(carbon.get('intensity_g_per_kwh'))} "
@@ -95,7 +98,7 @@ def format_report(data: dict[str, Any], *, path: str | Path = "") -> str:
         )
         for r in energy.get("ranks", [])
     ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
     lines.append("")
     lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     lines.extend("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
@@ -136,7 +139,7 @@ def _decisions(carbon: dict[str, Any]) -> list[str]:
              _num(seg.get("grams")))
             for seg in scaling["segments"]
         ]
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+        widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
         lines.append("    " + "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
         lines.extend("    " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
     return lines

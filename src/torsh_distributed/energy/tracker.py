@@ -6,7 +6,10 @@ The loop calls :meth:`EnergyTracker.step_end` after every step: it counts the st
 
 * per rank: joules, seconds, steps, average watts, grams, the meter, its source and scope;
 * per job: the sum over distinct counters (a host's RAPL counted once, not once per rank),
-  divided by steps, samples and tokens; grams likewise.
+  divided by steps, samples and tokens; grams likewise;
+* by phase: :meth:`EnergyTracker.phase` reads the meter around a block of the loop (an
+  evaluation, the blocking part of a checkpoint save) and attributes its joules to that phase;
+  the rest of the run is ``train``.
 
 Measured and estimated figures are never added: with ranks of both kinds the job's totals are the
 measured ranks' and the estimated ranks are listed under ``excluded``.
@@ -14,10 +17,11 @@ measured ranks' and the estimated ranks are listed under ``excluded``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torsh_distributed.energy.auto import open_meter
@@ -85,6 +89,9 @@ class EnergyTracker:
         """Unix times of the kept readings (thinned, see ``_TRACE_POINTS``)."""
         self.joules: list[float] = []
         """The meter's joules at those times."""
+        self.phases: dict[str, list[float]] = {}
+        """``name -> [joules, seconds, count]`` of the blocks :meth:`phase` measured."""
+        self._done = False
         if not self.on:
             return
         self.intensity: Intensity = carbon.resolve()
@@ -149,8 +156,25 @@ class EnergyTracker:
             self._log("energy_joules", self._j - self._j0)
             self._log("energy_w", self._watts)
 
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute the meter's joules over the block to phase ``name`` (two readings, no trace
+        point); a no-op when off, before :meth:`start` and after :meth:`finish`."""
+        if not self.on or not self.readings or self._done:
+            yield
+            return
+        j0, t0 = self.meter.read(), time.monotonic()
+        try:
+            yield
+        finally:
+            totals = self.phases.setdefault(name, [0.0, 0.0, 0])
+            totals[0] += self.meter.read() - j0
+            totals[1] += time.monotonic() - t0
+            totals[2] += 1
+
     def row(self) -> dict[str, Any]:
         """This rank's figures, after a last reading."""
+        self._done = True  # later blocks (the final evaluation and save) are not metered
         if not self.on or not self.readings:
             return {}
         if self.steps and self._clock() > self._t:
@@ -176,6 +200,7 @@ class EnergyTracker:
             "seconds_outside_series": self.outside,
             "trace": [[t - self._t0, j - self._j0] for t, j in zip(self.times, self.joules, strict=True)],
             "trace_start_unix_s": self._t0,
+            "phases": {n: {"joules": j, "seconds": s, "count": int(c)} for n, (j, s, c) in self.phases.items()},
         }
 
     def finish(
@@ -235,6 +260,10 @@ def combine(rows: list[dict[str, Any]], intensity: Intensity) -> tuple[dict[str,
         "seconds": seconds,
         "ranks": [{k: v for k, v in r.items() if k not in ("why", "detail")} for r in rows],
     }
+    names = sorted({n for r in seen.values() for n in r.get("phases", {})})
+    if names:  # the counted rows' phases; the rest of the run is training
+        phases = {n: sum(r.get("phases", {}).get(n, {}).get("joules", 0.0) for r in seen.values()) for n in names}
+        energy["phases"] = {"train": joules - sum(phases.values()), **phases}
     if not tokens:
         energy.pop("joules_per_token")
     if not samples:

@@ -18,6 +18,7 @@ lost steps and saves are totalled over every attempt of the job (kept in ``progr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -130,6 +131,8 @@ class RunCheckpoint:
         self.resumed_step: int | None = None
         self._first_step_logged = False
         self._saved_step: int | None = None
+        self.around_save: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+        """Wraps each save (the energy tracker's ``checkpoint`` phase)."""
         resume = self.section.resume
         directory = self.section.dir
         if not directory and resume not in ("auto", "never"):
@@ -339,6 +342,12 @@ class RunCheckpoint:
         return missing
 
     def _save(self, step: int, losses: list[float], *, blocking: bool | None = None) -> None:
+        with self.around_save():
+            self._save_to_manager(step, losses, blocking)
+        self._saved_step = step
+        faults.on_save_started(step, self.rank, self.faults)
+
+    def _save_to_manager(self, step: int, losses: list[float], blocking: bool | None) -> None:
         assert self.manager is not None
         tail = losses[-min(10, len(losses)) :]
         self.manager.save(
@@ -361,8 +370,6 @@ class RunCheckpoint:
             metric=sum(tail) / len(tail) if tail else None,
             blocking=blocking,
         )
-        self._saved_step = step
-        faults.on_save_started(step, self.rank, self.faults)
 
     def save_now(self, step: int, losses: list[float]) -> None:
         """Save at ``step`` now and wait for it (every rank; collective), unless checkpointing is

@@ -344,6 +344,7 @@ class Run:
             log=self.monitor.log if self.monitor.on else None,  # Prometheus, dashboard, report
         )
         self.energy.start()
+        self.ckpt.around_save = lambda: self.energy.phase("checkpoint")  # energy by phase
         self.carbon = CarbonControl(  # time shifting and scaling: rank 0 decides, every rank follows
             cfg, main=runtime.is_main, world_size=runtime.world_size, start_step=self.start_step,
             write=self.write, device=self.device, save=lambda step: self.ckpt.save_now(step, self.losses),
@@ -384,7 +385,8 @@ class Run:
             self.first_step_at = time.time()
         self.ckpt.step_end(step + 1, self.losses)  # save if due
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
-            val_loss = self.evaluate()
+            with self.energy.phase("eval"):
+                val_loss = self.evaluate()
             self.val_history.append((step + 1, val_loss))
             if self.runtime.is_main:
                 self.write(f"step {step + 1}: val loss {val_loss:.4f}")

@@ -185,3 +185,39 @@ def test_bad_config_is_one_clear_error(kwargs: dict, match: str) -> None:
         data[key] = {**data[key], **value} if isinstance(value, dict) else value
     with pytest.raises(ValueError, match=match):
         FederatedConfig.from_dict(data)
+
+
+def test_adaptive_compression_follows_each_clients_link() -> None:
+    from torsh_distributed.federated.updates import LADDER, LinkAdaptation
+
+    link = LinkAdaptation(budget=8.0)
+    for _ in range(3):
+        link.observe(1, 20.0)  # a slow link: up the ladder, one step a round
+        link.observe(2, 1.0)  # a fast one stays uncompressed
+    assert [link.method(1), link.method(2)] == [LADDER[3], "none"]
+    link.observe(1, 5.0)  # within budget: stays
+    link.observe(1, 1.0)  # far under: one step back
+    assert link.method(1) == LADDER[2]
+    restored = LinkAdaptation(budget=8.0)
+    restored.load_state_dict(json.loads(json.dumps(link.state_dict())))
+    assert restored.method(1) == LADDER[2]
+
+    config = _toy(clients=2, min_clients=2, compression="adaptive")
+    hooks = FederatedHooks(config)
+    hooks.adaptive.level = {100: 2}  # node 100 on int8, node 101 uncompressed
+    strategy = build_strategy(config)
+    zeros = {"w": torch.zeros(64, 8)}
+    messages = list(strategy.configure_train(1, ArrayRecord(zeros), ConfigRecord({"spec": "{}"}), _Nodes(2)))
+    chosen = hooks.configure(messages)
+    assert chosen == {100: "int8", 101: "none"}
+    by_node = {m.metadata.dst_node_id: m for m in messages}
+    assert {n: m.content["config"]["compression"] for n, m in by_node.items()} == chosen  # each its own
+    new = {"w": torch.randn(64, 8, generator=torch.Generator().manual_seed(1)) * 0.01}
+    payload, ctx, _ = UpdateCodec("int8").encode(zeros, new, {})
+    compressed = _replies([by_node[100]], [payload], [1.0])[0]
+    compressed.content["torsh-update"] = ConfigRecord({"json": ctx})
+    plain = _replies([by_node[101]], [new], [1.0])[0]
+    decoded = hooks.prepare([compressed, plain], ArrayRecord(zeros))
+    got = decoded[0].content["arrays"].to_torch_state_dict()["w"]
+    torch.testing.assert_close(got, new["w"], rtol=0, atol=float(new["w"].abs().max()) / 127)
+    assert "torsh-update" not in decoded[0].content

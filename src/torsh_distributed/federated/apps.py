@@ -81,10 +81,11 @@ def _train(msg: Message, context: Context) -> Message:
         }
     )
     content = RecordDict({"metrics": metrics})
-    if config.compression == "none":
+    method = str(config_record["compression"]) if "compression" in config_record else config.compression
+    if method == "none":
         content["arrays"] = ArrayRecord(state)
     else:
-        content["arrays"], content[ctx_key()] = _compress(config, global_state, state, context)
+        content["arrays"], content[ctx_key()] = _compress(config, method, global_state, state, context)
     return Message(content=content, reply_to=msg)
 
 
@@ -97,12 +98,17 @@ def _clip(global_state: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
 
 
 def _compress(
-    config: FederatedConfig, global_state: dict[str, torch.Tensor], state: dict[str, torch.Tensor], context: Context
+    config: FederatedConfig,
+    method: str,
+    global_state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    context: Context,
 ) -> tuple[ArrayRecord, ConfigRecord]:
-    """The encoded update; error-feedback residuals stay in this node's ``Context.state``."""
+    """The update encoded with ``method``; error-feedback residuals stay in this node's
+    ``Context.state`` (also across a change of method: they are plain per-tensor values)."""
     from torsh_distributed.federated.updates import UpdateCodec
 
-    codec = UpdateCodec(config.compression, error_feedback=config.error_feedback, seed=config.seed)
+    codec = UpdateCodec(method, error_feedback=config.error_feedback, seed=config.seed)
     residuals = context.state[_EF].to_torch_state_dict() if _EF in context.state else {}
     payload, ctx, residuals = codec.encode(global_state, state, residuals)
     if residuals:

@@ -145,9 +145,12 @@ class FederatedConfig:
     resume: str = "auto"
     """auto = continue from ``run_dir``'s checkpoint when there is one; never = start afresh."""
     compression: str = "none"
-    """Client-to-server updates: none | fp16 | bf16 | int8 | topk:R | sign |
-    powersgd:RANK (the toolkit's compressors on w_client - w_global; bytes per round fall, the
-    update gets noisier; see docs/federated.md)."""
+    """Client-to-server updates: none | fp16 | bf16 | int8 | topk:R | sign | powersgd:RANK (the
+    toolkit's compressors on w_client - w_global; bytes per round fall, the update gets noisier)
+    | adaptive (each client's method follows its measured link time, see ``link_budget``)."""
+    link_budget: float = 10.0
+    """``adaptive``: seconds of link time (turnaround minus training) per client and round above
+    which that client compresses more next round (below a quarter of it: less)."""
     error_feedback: bool = True
     """Each client keeps what compression did not send and adds it to its next update."""
     regions: int = 0
@@ -219,6 +222,7 @@ class FederatedConfig:
                 raise ValueError(f"federated.{name} must be a TCP port (0 = off), got {getattr(self, name)}")
         if self.resume not in ("auto", "never"):
             raise ValueError(f"federated.resume must be auto or never, got {self.resume!r}")
+        _positive("federated", "link_budget", self.link_budget)
         if self.compression != "none":
             from torsh_distributed.federated.updates import check_method
 

@@ -91,6 +91,16 @@ def supernode_command(
     ]  # fmt: skip
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM this process when the launcher dies (Linux), so a killed
+    launcher leaves no SuperLink or SuperNode polling forever."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
@@ -127,7 +137,7 @@ def join(
         superlink, partition_id=partition_id, num_partitions=num_partitions, host=host,
         port=port or free_port(host),
     )  # fmt: skip
-    proc = subprocess.Popen(cmd, env=_env())
+    proc = subprocess.Popen(cmd, env=_env(), preexec_fn=_die_with_parent)
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -208,8 +218,7 @@ class Federation:
         self._logs.append(log)
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(home or self.run_dir / "flwr" / "home"),
-            cwd=self.run_dir,
-            start_new_session=True,
+            cwd=self.run_dir, start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
         self.procs[name] = proc
         return proc
@@ -281,7 +290,7 @@ class Federation:
         self._logs.append(log)
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=self.run_dir,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
         self.procs["flwr-run"] = proc
         deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ import torch
 
 from torsh_distributed.federated.config import FederatedConfig
 from torsh_distributed.federated.server import RoundHooks
-from torsh_distributed.federated.updates import UpdateCodec, ctx_key
+from torsh_distributed.federated.updates import LinkAdaptation, UpdateCodec, ctx_key, spec_of
 
 __all__ = ["FederatedHooks", "WEIGHT_KEY"]
 
@@ -37,11 +37,8 @@ class FederatedHooks(RoundHooks):
             from torsh_distributed.federated.privacy import PrivacyAccountant
 
             self.accountant = PrivacyAccountant(accountant=self.privacy.accountant)
-        self.codec = (
-            UpdateCodec(config.compression, error_feedback=config.error_feedback, seed=config.seed)
-            if config.compression != "none"
-            else None
-        )
+        self.codecs: dict[str, UpdateCodec] = {}
+        self.adaptive = LinkAdaptation(config.link_budget) if config.compression == "adaptive" else None
         self.epsilon = 0.0
         self.monitor: Any = None
         if config.metrics_port or config.dashboard_port:
@@ -79,20 +76,43 @@ class FederatedHooks(RoundHooks):
         wrapped.inner = strategy  # the round loop checkpoints the inner strategy's state
         return wrapped
 
+    def _codec(self, spec: str) -> UpdateCodec:
+        if spec not in self.codecs:
+            self.codecs[spec] = UpdateCodec(spec, error_feedback=self.config.error_feedback, seed=self.config.seed)
+        return self.codecs[spec]
+
+    def configure(self, messages: list[Any]) -> dict[int, str]:
+        """Give each message its client's method (``adaptive``); returns node -> method."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        if self.adaptive is None:
+            return {}
+        chosen = {}
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            chosen[node] = self.adaptive.method(node)
+            content = msg.content  # shared by every message of the round: give each its own
+            config = ConfigRecord({**content["config"], "compression": chosen[node]})
+            msg.content = RecordDict({"arrays": content["arrays"], "config": config})
+        return chosen
+
+    def observe(self, node: int, link_s: float) -> None:
+        """A client's link time this round (its turnaround minus its training)."""
+        if self.adaptive is not None:
+            self.adaptive.observe(node, link_s)
+
     def prepare(self, replies: list[Any], arrays: Any) -> list[Any]:
         from flwr.app import ArrayRecord
 
-        if self.codec is None and not self.privacy.enabled:
-            return replies
         global_state: dict[str, torch.Tensor] | None = None
         for reply in replies:
             content = reply.content
-            if self.codec is not None:
+            if ctx_key() in content:  # a compressed update: back to weights
                 if global_state is None:
                     global_state = arrays.to_torch_state_dict()
                 payload = content["arrays"].to_torch_state_dict()
                 ctx = str(content[ctx_key()]["json"])
-                content["arrays"] = ArrayRecord(self.codec.decode(global_state, payload, ctx))
+                content["arrays"] = ArrayRecord(self._codec(spec_of(ctx)).decode(global_state, payload, ctx))
                 del content[ctx_key()]
             if self.privacy.enabled:
                 content["metrics"][WEIGHT_KEY] = 1.0
@@ -124,11 +144,16 @@ class FederatedHooks(RoundHooks):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        if self.accountant is None:
-            return {}
-        return {"accountant": self.accountant.state_dict(), "epsilon": self.epsilon}
+        out: dict[str, Any] = {}
+        if self.accountant is not None:
+            out.update(accountant=self.accountant.state_dict(), epsilon=self.epsilon)
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.accountant is not None and "accountant" in state:
             self.accountant.load_state_dict(state["accountant"])
             self.epsilon = float(state.get("epsilon", 0.0))
+        if self.adaptive is not None and "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])

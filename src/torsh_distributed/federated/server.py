@@ -240,15 +240,35 @@ class RoundLoop:
             )
         return rounds
 
+    def _exchange(self, messages: list[Any], *, timeout: float) -> tuple[list[Any], dict[int, float]]:
+        """Send the round's messages and collect replies until all arrived or ``timeout``; also
+        each replying node's turnaround (sent to received, polled every 0.2 s)."""
+        sent = time.monotonic()
+        pending = set(self.grid.push_messages(messages))
+        replies: list[Any] = []
+        turnaround: dict[int, float] = {}
+        while pending:
+            got = list(self.grid.pull_messages(pending))
+            now = time.monotonic()
+            for msg in got:
+                replies.append(msg)
+                pending.discard(msg.metadata.reply_to_message_id)
+                turnaround[msg.metadata.src_node_id] = now - sent
+            if not pending or now - sent > timeout:
+                break
+            time.sleep(0.2)
+        return replies, turnaround
+
     def _round(self, server_round: int, arrays: Any, config_record: Any) -> tuple[Any, dict[str, Any]]:
         cfg = self.config
         started = time.perf_counter()
         random.seed(cfg.seed * 1_000_003 + server_round)  # Flower samples with `random`
         train_config = config_record({"spec": cfg.to_json()})
         messages = list(self.strategy.configure_train(server_round, arrays, train_config, self.grid))
+        methods = self.hooks.configure(messages)
         sampled = len(messages)
         down = sampled * arrays.count_bytes()
-        replies = list(self.grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        replies, turnaround = self._exchange(messages, timeout=cfg.round_timeout)
         ok = [m for m in replies if not m.has_error()]
         errors = [m.error.reason for m in replies if m.has_error()]
         if cfg.straggler_policy == "drop":
@@ -264,9 +284,13 @@ class RoundLoop:
                 "straggler": bool(_metric(m, "straggler")),
                 "bytes": self.hooks.reply_bytes(m),
                 **({"region": True} if _metric(m, "region") else {}),
+                **_link(m, turnaround, methods),
             }
             for m in ok
         ]
+        for m in ok:
+            node = m.metadata.src_node_id
+            self.hooks.observe(node, turnaround[node] - _metric(m, "seconds"))
         failed = len(ok) < cfg.min_clients
         if not failed:
             new_arrays, _ = self.strategy.aggregate_train(server_round, self.hooks.prepare(ok, arrays))
@@ -300,6 +324,18 @@ class RoundLoop:
         return arrays, record
 
 
+def _link(msg: Any, turnaround: dict[int, float], methods: dict[int, str]) -> dict[str, Any]:
+    """A client's turnaround, link time (turnaround minus training) and method, when known."""
+    node = msg.metadata.src_node_id
+    out: dict[str, Any] = {}
+    if node in turnaround:
+        out["turnaround_s"] = turnaround[node]
+        out["link_s"] = turnaround[node] - _metric(msg, "seconds")
+    if node in methods:
+        out["compression"] = methods[node]
+    return out
+
+
 def _round_line(cfg: FederatedConfig, r: dict[str, Any]) -> str:
     parts = [f"federated: round {r['round']}/{cfg.rounds}"]
     parts.append(f"loss {r['loss']:.4f}" if r["loss"] == r["loss"] else "loss n/a")
@@ -324,6 +360,14 @@ class RoundHooks:
 
     def wrap_strategy(self, strategy: Any) -> Any:
         return strategy
+
+    def configure(self, messages: list[Any]) -> dict[int, str]:
+        """Adjust the round's messages per client before they are sent; returns node -> the
+        compression method each was given (empty: the run's method)."""
+        return {}
+
+    def observe(self, node: int, link_s: float) -> None:
+        """A replying client's link time this round."""
 
     def prepare(self, replies: list[Any], arrays: Any) -> Iterable[Any]:
         """Replies as the strategy aggregates them (weights of the same shapes as ``arrays``)."""

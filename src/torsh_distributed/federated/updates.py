@@ -21,7 +21,7 @@ import torch
 
 from torsh_distributed.compression.base import Compressor
 
-__all__ = ["FEDERATED_METHODS", "UpdateCodec", "check_method"]
+__all__ = ["FEDERATED_METHODS", "LADDER", "LinkAdaptation", "UpdateCodec", "check_method", "spec_of"]
 
 FEDERATED_METHODS = ("none", "fp16", "bf16", "int8", "topk", "sign", "powersgd")
 """Compression methods that encode one client's update on their own (no collective)."""
@@ -30,10 +30,53 @@ _CTX_KEY = "torsh-update"
 _SEP = "#"
 
 
+LADDER = ("none", "fp16", "int8", "topk:0.1", "topk:0.01")
+"""``adaptive``'s methods, least to most compressed (bytes per fp32 value: 4, 2, 1, 0.8, 0.08)."""
+
+
+class LinkAdaptation:
+    """``compression adaptive``: each client's method follows its measured link.
+
+    After each round the server knows, per client, the turnaround of its message (sent to reply
+    received) minus the client's own training time: the time its round spent on the link (the
+    model down, the update up) and in start-up. A client whose link time exceeds ``budget`` seconds
+    moves one step up :data:`LADDER` (more compression) for its next round; one under a quarter of
+    the budget moves one step down (less loss). Clients start uncompressed. A feedback rule, not a
+    bandwidth model: it needs no probe traffic and settles each client on the lightest method that
+    keeps its link time within the budget.
+
+    Args:
+        budget: Link seconds per client per round that trigger more compression.
+    """
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.level: dict[int, int] = {}
+
+    def method(self, node: int) -> str:
+        return LADDER[self.level.get(node, 0)]
+
+    def observe(self, node: int, link_s: float) -> None:
+        level = self.level.get(node, 0)
+        if link_s > self.budget:
+            level = min(level + 1, len(LADDER) - 1)
+        elif link_s < self.budget / 4:
+            level = max(level - 1, 0)
+        self.level[node] = level
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"level": {str(k): v for k, v in self.level.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level = {int(k): int(v) for k, v in state.get("level", {}).items()}
+
+
 def check_method(spec: str) -> None:
     """``ValueError`` unless ``spec`` is a compression spec usable on federated updates."""
     from torsh_distributed.compression.spec import parse_spec
 
+    if spec == "adaptive":
+        return
     try:
         kind = parse_spec(spec).kind
     except ValueError as exc:
@@ -126,7 +169,7 @@ class UpdateCodec:
         """
         meta = json.loads(ctx_json)
         if meta.get("spec") != self.spec:
-            raise ValueError(f"update encoded with {meta.get('spec')!r}, the run uses {self.spec!r}")
+            raise ValueError(f"update encoded with {meta.get('spec')!r}, this codec decodes {self.spec!r}")
         tensors = meta["tensors"]
         if set(tensors) != set(global_state):
             raise ValueError("the compressed update's tensors differ from the global model's")
@@ -140,6 +183,11 @@ class UpdateCodec:
             base = global_state[name]
             out[name] = (base.float() + delta.float().reshape(base.shape)).to(getattr(torch, info["dtype"]))
         return out
+
+
+def spec_of(ctx_json: str) -> str:
+    """The method a reply's update was encoded with."""
+    return str(json.loads(ctx_json)["spec"])
 
 
 def ctx_key() -> str:

@@ -171,8 +171,9 @@ def _run(run: dict[str, Any], work: Path, timeout: float, retries: int) -> dict[
         tail = " | ".join(lines[-3:])
         failures.append(f"attempt {attempt + 1}: exit {code} after {wall:.0f} s: {tail}")
         print(f"  FAILED ({failures[-1]}); logs in {run_dir / 'logs'}", flush=True)
-    else:
-        raise SystemExit(f"{run['name']} failed {retries + 1} time(s): {failures}")
+    else:  # recorded, and the other runs go on
+        return {**{k: run[k] for k in ("group", "name")}, "command": "torsh-dist federated " + " ".join(run["flags"]),
+                "rounds": [], "failed_attempts": failures}
     summary = json.loads(out.read_text())
     rounds = summary["rounds"]
     errors = sorted({e for r in rounds for e in r.get("errors", [])})
@@ -219,7 +220,7 @@ def _first_round(result: dict[str, Any], target: float) -> str:
 
 
 def _group_tables(group: str, results: list[dict[str, Any]]) -> str:
-    rows = [r for r in results if r["group"] == group]
+    rows = [r for r in results if r["group"] == group and r["rounds"]]
     if not rows:
         return ""
     metric = "accuracy" if rows[0]["rounds"][0]["accuracy"] is not None else "loss"
@@ -267,7 +268,7 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
     groups = [g for g in GROUPS if any(r["group"] == g for r in results)]
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
     for ax, group in zip(axes[0], groups, strict=True):
-        for r in (r for r in results if r["group"] == group):
+        for r in (r for r in results if r["group"] == group and r["rounds"]):
             xs = [rd["round"] for rd in r["rounds"]]
             acc = [rd["accuracy"] for rd in r["rounds"]]
             ys = acc if acc[0] is not None else [rd["loss"] for rd in r["rounds"]]
@@ -281,6 +282,22 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"plot written to {path}")
+
+
+def _write_json(path: str, results: list[dict[str, Any]], wall: float) -> None:
+    import flwr
+    import torch
+
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "flwr": flwr.__version__,
+        "argv": sys.argv[1:],
+        "wall_s": wall,
+    }
+    Path(path).write_text(json.dumps({"meta": meta, "runs": results}, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-federated-") as tmp:
         work = Path(args.keep_runs) if args.keep_runs else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        results = [_run(run, work, args.timeout, args.retries) for run in runs]
+        results = []
+        for run in runs:
+            results.append(_run(run, work, args.timeout, args.retries))
+            if args.json:  # after every run: a stopped benchmark keeps what it measured
+                _write_json(args.json, results, time.perf_counter() - started)
     total = time.perf_counter() - started
 
     print()
@@ -331,24 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         if table:
             print(table)
     for r in results:
+        if not r["rounds"]:
+            print(f"{r['name']}: FAILED every attempt: {r['failed_attempts']}")
+            continue
         print(f"{r['name']}: {r['wall_s']:.1f} s end to end (server loop {r['server_wall_s']:.1f} s)")
         for failure in r["failed_attempts"]:
             print(f"  earlier failed attempt, rerun: {failure}")
     print(f"benchmark wall time: {total:.0f} s")
     if args.json:
-        import flwr
-        import torch
-
-        meta = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "flwr": flwr.__version__,
-            "argv": sys.argv[1:],
-            "wall_s": total,
-        }
-        Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=2) + "\n")
+        _write_json(args.json, results, total)
         print(f"results written to {args.json}")
     if args.plot:
         _plot(results, args.plot)

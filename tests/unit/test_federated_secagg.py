@@ -22,7 +22,7 @@ import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from torsh_distributed.federated import secagg
+from torsh_distributed.federated import _secagg_driver, secagg
 from torsh_distributed.federated.client import LocalResult, train_round
 from torsh_distributed.federated.config import ClientConfig, FederatedConfig, TaskConfig
 from torsh_distributed.federated.secagg import (
@@ -230,7 +230,7 @@ def test_one_of_five_drops_after_each_stage(stage: str, completed: int) -> None:
 def test_flower_alone_halts_when_a_client_drops_before_sharing_keys(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(secagg, "_forget_silent", lambda state: None)
+    monkeypatch.setattr(_secagg_driver, "forget_silent", lambda state: None)
     grid = InProcessGrid(5)
     victim = grid.get_node_ids()[-1]
     result = _round(

@@ -28,6 +28,8 @@ workflow divides the unmasked sum by ``sum q_k``. The result is the example-weig
 update, which :func:`secagg_round` adds to the global weights: FedAvg's aggregate. ``W``
 defaults to the smallest power of two holding the largest client share; with ``Q`` a power of
 two (required) and ``W <= Q``, ``a_k = n_k / W`` exactly, so the weights are exactly FedAvg's.
+The server cannot take one update out of the sum, so a straggler under ``straggler_policy``
+``drop`` takes part with weight 0, which adds exactly nothing.
 
 **Quantisation bound.** Per coordinate the mod sends
 ``y_k = SR((clip(a_k d_k, -c, c) + c) * Q / (2c))`` in ``{0, ..., Q}`` (step ``2c/Q``, not
@@ -71,6 +73,7 @@ from flwr.app import Context, Message
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
+from torsh_distributed.federated import _secagg_driver
 from torsh_distributed.federated.config import FederatedConfig
 
 if TYPE_CHECKING:
@@ -255,118 +258,6 @@ class SecAggResult:
         return self.state is not None
 
 
-class _CountingGrid:
-    """The workflow's grid: counts the record bytes of each stage's messages, and polls for the
-    replies every ``poll`` seconds (Flower's ``send_and_receive`` sleeps 3 s between pulls,
-    which SecAgg+'s four exchanges per round would pay four times)."""
-
-    def __init__(self, grid: Any, *, poll: float = 0.25) -> None:
-        self.grid = grid
-        self.poll = poll
-        self.stage = ""
-        self.stage_bytes: dict[str, dict[str, int]] = {}
-        self.node_up: dict[int, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.grid, name)
-
-    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
-        messages = list(messages)
-        counts = self.stage_bytes.setdefault(self.stage, {"down": 0, "up": 0})
-        counts["down"] += sum(_message_bytes(m) for m in messages)
-        if hasattr(self.grid, "push_messages") and hasattr(self.grid, "pull_messages"):
-            replies = self._exchange(messages, timeout)
-        else:
-            replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        for reply in replies:
-            size = _message_bytes(reply)
-            counts["up"] += size
-            src = reply.metadata.src_node_id
-            self.node_up[src] = self.node_up.get(src, 0) + size
-        return replies
-
-    def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
-        pending = set(self.grid.push_messages(messages))
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
-        replies: list[Message] = []
-        while pending:
-            got = list(self.grid.pull_messages(pending))
-            replies += got
-            pending -= {m.metadata.reply_to_message_id for m in got}
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(self.poll)
-        return replies
-
-
-def _message_bytes(msg: Message) -> int:
-    if msg.has_error():
-        return 0
-    content = msg.content
-    size = sum(int(r.count_bytes()) for r in content.array_records.values())
-    for record in [*content.config_records.values(), *content.metric_records.values()]:
-        # Flower's ConfigRecord.count_bytes fails on an empty list value
-        size += sum(len(key) + _value_bytes(value) for key, value in record.items())
-    return size
-
-
-def _value_bytes(value: Any) -> int:
-    if isinstance(value, list):
-        return sum(_value_bytes(v) for v in value)
-    if isinstance(value, (bytes, str)):
-        return len(value)
-    return 1 if isinstance(value, bool) else 8
-
-
-class _OneRound:
-    """The legacy strategy the workflow consults: our instructions to the given nodes, and the
-    unmasked aggregate (with the clients' results) captured instead of aggregated again."""
-
-    def __init__(self, fit_ins: Any, node_ids: Sequence[int], grid: Any) -> None:
-        self.fit_ins, self.node_ids, self.grid = fit_ins, list(node_ids), grid
-        self.results: list[tuple[Any, Any]] = []
-        self.aggregate: list[np.ndarray] | None = None
-
-    def configure_fit(
-        self, server_round: int, parameters: Any, client_manager: Any
-    ) -> list[tuple[Any, Any]]:
-        from flwr.server.compat.grid_client_proxy import GridClientProxy
-
-        del server_round, parameters
-        proxies = [GridClientProxy(nid, self.grid, 0) for nid in self.node_ids]
-        for proxy in proxies:
-            client_manager.register(proxy)
-        return [(proxy, self.fit_ins) for proxy in proxies]
-
-    def aggregate_fit(
-        self, server_round: int, results: list[Any], failures: list[Any]
-    ) -> tuple[Any, dict[str, Any]]:
-        from flwr.common import parameters_to_ndarrays
-
-        del server_round, failures
-        self.results = list(results)
-        if not results:
-            return None, {}
-        parameters = results[0][1].parameters  # the workflow gives every result the aggregate
-        self.aggregate = parameters_to_ndarrays(parameters)
-        return parameters, {}
-
-
-def _forget_silent(state: Any) -> None:
-    """Take the clients that did not finish ``share_keys`` out of the protocol.
-
-    They gave no shares to anyone, so no live client masked against them; Flower's unmask stage
-    would still ask for their key shares (nobody has them) and halt."""
-    gone = state.sampled_node_ids - state.active_node_ids
-    if not gone:
-        return
-    state.sampled_node_ids = set(state.active_node_ids)
-    for nid in gone:
-        state.nid_to_neighbours.pop(nid, None)
-    for neighbours in state.nid_to_neighbours.values():
-        neighbours -= gone
-
-
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     import torch
 
@@ -446,7 +337,7 @@ def secagg_round(
         "proximal-mu": float(proximal_mu),
         "names": json.dumps(names),
     }
-    strategy = _OneRound(FitIns(parameters, fit_config), node_ids, grid)
+    strategy = _secagg_driver.OneRound(FitIns(parameters, fit_config), node_ids, grid)
     base = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
     context = LegacyContext(base, strategy=strategy)  # type: ignore[arg-type]
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
@@ -466,7 +357,7 @@ def secagg_round(
     steps += (workflow.collect_masked_vectors_stage, workflow.unmask_stage)
     stages = dict(zip(STAGES, steps, strict=True))
     state = WorkflowState()
-    counting = _CountingGrid(grid)
+    counting = _secagg_driver.CountingGrid(grid)
     active: dict[str, int] = {}
     stage_seconds: dict[str, float] = {}
     completed_ids: set[int] = set()
@@ -482,7 +373,7 @@ def secagg_round(
             ok = False
         stage_seconds[name] = time.perf_counter() - began
         if name == "share_keys":
-            _forget_silent(state)
+            _secagg_driver.forget_silent(state)
         if name == "collect_masked_vectors":
             completed_ids = set(state.active_node_ids)
         active[name] = len(state.active_node_ids)
@@ -618,7 +509,8 @@ def _train(msg: Message, context: Context) -> Message:
         (result.state[k].detach().cpu().double() - global_state[k].double()).numpy() for k in names
     ]
     # A straggler under straggler_policy "drop" takes part with weight 0: the server cannot take
-    # one update out of the sum, but a zero weight adds exactly nothing (y_k = Q/2 = c).
+    # one update out of the sum, but with weight 0 it adds exactly Q/2 per coordinate: 0 after
+    # the workflow removes the offset.
     drop = config.straggler_policy == "drop" and result.straggler
     weight = 0 if drop else result.num_examples
     scale = round(weight / max_weight * target) / target  # what the mod multiplies the update by

@@ -1,0 +1,130 @@
+"""Machinery of :func:`~torsh_distributed.federated.secagg.secagg_round`: the grid it hands
+Flower's SecAgg+ workflow (bytes counted per stage, replies polled every 0.25 s), the legacy
+strategy the workflow consults for one round, and the repair of Flower 1.42's unmask stage for
+clients that dropped before sharing their keys."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import Message
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["CountingGrid", "OneRound", "forget_silent", "message_bytes"]
+
+
+class CountingGrid:
+    """The workflow's grid: counts the record bytes of each stage's messages, and polls for the
+    replies every ``poll`` seconds (Flower's ``send_and_receive`` sleeps 3 s between pulls,
+    which SecAgg+'s four exchanges per round would pay four times)."""
+
+    def __init__(self, grid: Any, *, poll: float = 0.25) -> None:
+        self.grid = grid
+        self.poll = poll
+        self.stage = ""
+        self.stage_bytes: dict[str, dict[str, int]] = {}
+        self.node_up: dict[int, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        counts = self.stage_bytes.setdefault(self.stage, {"down": 0, "up": 0})
+        counts["down"] += sum(message_bytes(m) for m in messages)
+        if hasattr(self.grid, "push_messages") and hasattr(self.grid, "pull_messages"):
+            replies = self._exchange(messages, timeout)
+        else:
+            replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        for reply in replies:
+            size = message_bytes(reply)
+            counts["up"] += size
+            src = reply.metadata.src_node_id
+            self.node_up[src] = self.node_up.get(src, 0) + size
+        return replies
+
+    def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
+        pending = set(self.grid.push_messages(messages))
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            got = list(self.grid.pull_messages(pending))
+            replies += got
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll)
+        return replies
+
+
+def message_bytes(msg: Message) -> int:
+    if msg.has_error():
+        return 0
+    content = msg.content
+    size = sum(int(r.count_bytes()) for r in content.array_records.values())
+    for record in [*content.config_records.values(), *content.metric_records.values()]:
+        # Flower's ConfigRecord.count_bytes fails on an empty list value
+        size += sum(len(key) + _value_bytes(value) for key, value in record.items())
+    return size
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, list):
+        return sum(_value_bytes(v) for v in value)
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    return 1 if isinstance(value, bool) else 8
+
+
+class OneRound:
+    """The legacy strategy the workflow consults: our instructions to the given nodes, and the
+    unmasked aggregate (with the clients' results) captured instead of aggregated again."""
+
+    def __init__(self, fit_ins: Any, node_ids: Sequence[int], grid: Any) -> None:
+        self.fit_ins, self.node_ids, self.grid = fit_ins, list(node_ids), grid
+        self.results: list[tuple[Any, Any]] = []
+        self.aggregate: list[np.ndarray] | None = None
+
+    def configure_fit(
+        self, server_round: int, parameters: Any, client_manager: Any
+    ) -> list[tuple[Any, Any]]:
+        from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+        del server_round, parameters
+        proxies = [GridClientProxy(nid, self.grid, 0) for nid in self.node_ids]
+        for proxy in proxies:
+            client_manager.register(proxy)
+        return [(proxy, self.fit_ins) for proxy in proxies]
+
+    def aggregate_fit(
+        self, server_round: int, results: list[Any], failures: list[Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        from flwr.common import parameters_to_ndarrays
+
+        del server_round, failures
+        self.results = list(results)
+        if not results:
+            return None, {}
+        parameters = results[0][1].parameters  # the workflow gives every result the aggregate
+        self.aggregate = parameters_to_ndarrays(parameters)
+        return parameters, {}
+
+
+def forget_silent(state: Any) -> None:
+    """Take the clients that did not finish ``share_keys`` out of the protocol.
+
+    They gave no shares to anyone, so no live client masked against them; Flower's unmask stage
+    would still ask for their key shares (nobody has them) and halt."""
+    gone = state.sampled_node_ids - state.active_node_ids
+    if not gone:
+        return
+    state.sampled_node_ids = set(state.active_node_ids)
+    for nid in gone:
+        state.nid_to_neighbours.pop(nid, None)
+    for neighbours in state.nid_to_neighbours.values():
+        neighbours -= gone

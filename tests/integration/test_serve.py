@@ -230,6 +230,36 @@ def test_openai_client_lists_completes_streams_and_chats(server: InferenceServer
         oc.completions.create(model="gpt-4", prompt="x", max_tokens=1)
 
 
+def test_logprobs_are_the_models_log_softmax(
+    server: InferenceServer, static_server: InferenceServer, model: nn.Module
+):
+    oc = client(server.url)
+    body = {"prompt": "def main():\n", "max_tokens": 6, "temperature": 0}
+    tokens, text = reference(model, body)
+    lp = oc.completions.create(model="torsh-gpt", logprobs=2, **body).choices[0].logprobs
+    prompt = encode_bytes(body["prompt"])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1 :]
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    assert len(lp.token_logprobs) == len(tokens) == 6
+    for i, token in enumerate(tokens):
+        assert lp.token_logprobs[i] == pytest.approx(float(expected[i, token]), abs=1e-4)
+        assert max(lp.top_logprobs[i].values()) == lp.token_logprobs[i]  # greedy: the top one
+        assert len(lp.top_logprobs[i]) == 2
+    assert lp.text_offset == [len(decode_bytes(tokens[:i])) for i in range(len(tokens))]
+    chunks = oc.completions.create(model="torsh-gpt", logprobs=2, stream=True, **body)
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert sum((x.token_logprobs for x in streamed), []) == pytest.approx(lp.token_logprobs)
+    assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+    chat = oc.chat.completions.create(model="torsh-gpt", messages=[{"role": "user", "content": "x"}],
+                                      max_tokens=4, temperature=0, logprobs=True, top_logprobs=1)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 1 and len(c.bytes) >= 1 for c in content)
+    with pytest.raises(openai.BadRequestError, match="logprobs needs the continuous scheduler"):
+        client(static_server.url).completions.create(model="torsh-gpt", logprobs=1, **body)
+
+
 def test_openai_client_with_a_token(model: nn.Module):
     with InferenceServer(TextGenerator(model), _config(token=TOKEN)) as srv:
         with pytest.raises(openai.AuthenticationError, match="missing or wrong token"):
@@ -336,7 +366,7 @@ BAD: list[tuple[bytes | dict, int, str]] = [
     ({"prompt": "x", "n": 300}, 400, "more than the server's limit of 256"),
     ({"prompt": "x", "stop": [""]}, 400, "stop must hold 1 to 16 non-empty strings"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"prompt": "x", "logprobs": 6}, 400, "logprobs must be null or an int in [0, 5]"),
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
     ({"prompt": "x", "seed": 2**64}, 400, "seed must be an int"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),

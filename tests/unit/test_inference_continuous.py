@@ -14,7 +14,7 @@ from torsh_distributed.inference import SamplingConfig, TextGenerator, generate
 from torsh_distributed.inference import _openai as oa
 from torsh_distributed.inference._continuous import ContinuousBatcher, Join
 from torsh_distributed.inference.chat import PYTHON_COMMENTS
-from torsh_distributed.inference.text import decode_bytes, encode_bytes
+from torsh_distributed.inference.text import TextStream, decode_bytes, encode_bytes
 from torsh_distributed.models.config import ModelConfig
 from torsh_distributed.models.gpt import GPT
 
@@ -188,6 +188,10 @@ def test_a_chat_request_renders_the_template_and_adds_its_stop():
     assert p.choices[0].sampling.max_new_tokens == 5
     default = plan(b'{"messages": [{"role": "user", "content": "hi"}]}', "chat")
     assert default.choices[0].sampling.max_new_tokens == 32  # the server's limit
+    with pytest.raises(oa.APIError, match="top_logprobs needs logprobs: true"):
+        plan(b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "chat")
+    assert plan(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}',
+                "chat").logprobs == 0
     with pytest.raises(oa.APIError, match="tools is not supported"):
         plan(b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "chat")
     with pytest.raises(oa.APIError, match="messages.0.role"):
@@ -195,12 +199,12 @@ def test_a_chat_request_renders_the_template_and_adds_its_stop():
 
 
 def test_streamed_text_holds_back_a_partial_stop_string_and_utf8_character():
-    stream = oa.TextStream(SamplingConfig(stop_strings=("END",)), decode_bytes)
+    stream = TextStream(decode_bytes, stop_strings=("END",))
     out = [stream.push(t) for t in encode_bytes("ab EN")]
     assert "".join(out) == "ab "  # "EN" may begin the stop string
     assert stream.push(ord("D")) == ""  # it did: nothing after the cut
     assert stream.finish("ab ") == ""
-    euro = oa.TextStream(SamplingConfig(), decode_bytes)
+    euro = TextStream(decode_bytes)
     pieces = [euro.push(t) for t in "x€y".encode()]
     assert pieces == ["x", "", "", "€", "y"]  # the 3 bytes of the euro sign released together
     assert euro.finish("x€y") == ""

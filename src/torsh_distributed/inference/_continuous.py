@@ -20,9 +20,9 @@ exception and the others go on (a failure happens alike on every rank).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,11 @@ from torsh_distributed.inference.sampling import SamplingConfig, sample_token
 
 __all__ = ["Join", "Event", "ContinuousBatcher", "continuous_max_len"]
 
+T = TypeVar("T")
 Event = tuple[int, str, Any]
-"""``(row id, "token", token)``, ``(row id, "done", GenerationResult)`` or
-``(row id, "error", exception)``."""
+"""``(row id, "token", token)``, ``(row id, "done", GenerationResult)``,
+``(row id, "error", exception)``, or, before a token event of a row that asked for them,
+``(row id, "logprob", (logprob, [(token, logprob), ...]))``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,21 +55,25 @@ class Join:
     id: int
     prompt: list[int]
     sampling: SamplingConfig
+    logprobs: int | None = None
+    """Report each chosen token's log-probability and the ``logprobs`` most likely
+    alternatives' (log-softmax of the model's logits, before temperature and filters);
+    ``None`` = none."""
 
     def to_json(self) -> list[Any]:
-        return [self.id, self.prompt, self.sampling.to_dict()]
+        return [self.id, self.prompt, self.sampling.to_dict(), self.logprobs]
 
     @classmethod
     def from_json(cls, data: Sequence[Any]) -> Join:
-        return cls(
-            id=int(data[0]), prompt=list(data[1]), sampling=SamplingConfig.from_dict(data[2])
-        )
+        sampling = SamplingConfig.from_dict(data[2])
+        return cls(id=int(data[0]), prompt=list(data[1]), sampling=sampling, logprobs=data[3])
 
 
 @dataclass(slots=True)
 class _Running:
     id: int
     row: _Row
+    logprobs: int | None
     last: float
     """When its previous token was chosen (its prefill's start before the first)."""
 
@@ -126,6 +132,21 @@ class ContinuousBatcher:
         tokens = len(self.rows) + joining_tokens + prompt_len
         return tokens <= self.max_batch_tokens or (not self.rows and not joining)
 
+    def admission(self, size: Callable[[T], int]) -> Callable[[T], bool]:
+        """A predicate admitting queued items (of prompt length ``size(item)``) one after
+        another while they fit this iteration (:meth:`admits`, counting those admitted)."""
+        taken = [0, 0]
+
+        def fits(item: T) -> bool:
+            n = size(item)
+            if not self.admits(n, joining=taken[0], joining_tokens=taken[1]):
+                return False
+            taken[0] += 1
+            taken[1] += n
+            return True
+
+        return fits
+
     def step(self, joins: Sequence[Join], cancel: Sequence[int] = ()) -> list[Event]:
         """One iteration (module doc); the events of its rows, in order."""
         events: list[Event] = []
@@ -172,7 +193,7 @@ class ContinuousBatcher:
         now = time.perf_counter()
         rows = make_rows([j.prompt for j in joins], [j.sampling for j in joins], self.limit)
         for join, row in zip(joins, rows, strict=True):
-            self.rows.append(_Running(id=join.id, row=row, last=now))
+            self.rows.append(_Running(id=join.id, row=row, logprobs=join.logprobs, last=now))
         lengths = [len(j.prompt) for j in joins]
         width = max(lengths)
         feed = torch.tensor([j.prompt + [0] * (width - len(j.prompt)) for j in joins])
@@ -215,10 +236,14 @@ class ContinuousBatcher:
         group = self.generator.tp_group
         chosen = _agree(chosen, group if _multi(group) else None, logits.device)
         now = time.perf_counter()
-        for i, token in zip(indices, chosen, strict=True):
+        for k, (i, token) in enumerate(zip(indices, chosen, strict=True)):
             running = self.rows[i]
             running.row.add(token, now - running.last, self.generator.decode)
             running.last = now
+            if running.logprobs is not None:
+                events.append(
+                    (running.id, "logprob", _logprobs(on_cpu[k], token, running.logprobs))
+                )
             events.append((running.id, "token", token))
 
     def _retire(self, indices: Sequence[int]) -> None:
@@ -230,6 +255,16 @@ class ContinuousBatcher:
                 self.cache.move(last, i)
                 self.rows[i] = self.rows[last]
             self.rows.pop()
+
+
+def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability and the ``top`` most likely tokens' (model logits)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    best = torch.topk(lp, min(top, lp.numel())) if top else None
+    alternatives = (
+        [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    )
+    return float(lp[token]), alternatives
 
 
 def _multi(group: dist.ProcessGroup | None) -> bool:

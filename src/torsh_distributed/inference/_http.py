@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from torsh_distributed.inference import _openai as oa
 from torsh_distributed.inference._serving import Pending, ServingMetrics, Sink
 from torsh_distributed.inference.generate import GenerationResult
-from torsh_distributed.inference.sampling import SamplingConfig
+from torsh_distributed.inference.text import TextStream
 
 __all__ = ["App", "make_app", "ROUTES"]
 
@@ -266,7 +266,14 @@ def make_app(server: App) -> Any:
             watcher.cancel()
         if isinstance(results, JSONResponse):
             return results
-        body = oa.response(plan, results, rid=oa.new_id(kind), model_name=server.model_name)
+        body = oa.response(
+            plan,
+            results,
+            rid=oa.new_id(kind),
+            model_name=server.model_name,
+            logprobs=[row.logprob_values for row in rows],
+            decode=server.decoder(),
+        )
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     @api.post("/v1/completions")
@@ -310,15 +317,37 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     rid, created, name = oa.new_id(plan.kind), int(time.time()), server.model_name
     decode = server.decoder()
-    texts = [oa.TextStream(_sampling(row), decode) for row in rows]
+    texts = [
+        TextStream(
+            decode, stop_strings=row.sampling.stop_strings, stop_tokens=row.sampling.stop_tokens
+        )
+        for row in rows
+    ]
     timeout = server.config.request_timeout_s
     deadline = time.monotonic() + timeout
     left, generated = len(rows), 0
+    # logprobs not yet sent, per choice: (tokens, entries), and the tokens already reported
+    waiting: list[tuple[list[int], list[oa.LogprobEntry]]] = [([], []) for _ in rows]
+    reported: list[list[int]] = [[] for _ in rows]
 
     def piece(index: int, text: str | None, **kw: Any) -> bytes:
-        return _sse(
-            oa.chunk(plan, rid=rid, model_name=name, created=created, index=index, text=text, **kw)
+        block = None
+        tokens, entries = waiting[index]
+        if entries:
+            block = oa.logprobs_block(plan, tokens, entries, decode, before=reported[index])
+            reported[index] += tokens
+            waiting[index] = ([], [])
+        chunk = oa.chunk(
+            plan,
+            rid=rid,
+            model_name=name,
+            created=created,
+            index=index,
+            text=text,
+            logprobs=block,
+            **kw,
         )
+        return _sse(chunk)
 
     try:
         if plan.kind == "chat":
@@ -326,8 +355,12 @@ async def _stream(
                 yield piece(index, "", role=True)
         while left:
             kind, index, value = await _next(sink, deadline, timeout)
-            if kind == "token":
+            if kind == "logprob":
+                waiting[index][1].append(value)
+            elif kind == "token":
                 delta = texts[index].push(value)
+                if plan.logprobs is not None:
+                    waiting[index][0].append(value)
                 ids = [value] if plan.return_token_ids else None
                 if delta or ids:
                     yield piece(index, delta, token_ids=ids)
@@ -353,7 +386,3 @@ async def _stream(
     finally:
         for row in rows:  # the client left, or the stream ended: running rows are dropped
             row.cancelled = True
-
-
-def _sampling(row: Pending) -> SamplingConfig:
-    return row.sampling

@@ -4,9 +4,10 @@ decode, and the JSON of answers, stream chunks and errors.
 
 Request fields follow OpenAI's reference and vLLM's extras: what we implement is honoured
 (``model``, ``prompt``/``messages``, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``,
-``seed``, ``stream``, ``stream_options.include_usage``, ``user`` (ignored), vLLM's ``top_k`` and
-``return_token_ids``); a field that asks for a behaviour we do not implement (``logprobs``,
-``echo``, penalties, ``logit_bias``, ``best_of != n``, ``suffix``, tools) is refused with 400
+``seed``, ``stream``, ``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``,
+``user`` (ignored), vLLM's ``top_k`` and ``return_token_ids``); a field that asks for a
+behaviour we do not implement (``echo``, penalties, ``logit_bias``, ``best_of != n``,
+``suffix``, tools) is refused with 400
 naming it, unless it carries its neutral value: a setting is never dropped silently. Unknown
 fields are refused (a typo such as ``temprature`` would otherwise sample at the default).
 """
@@ -26,7 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from torsh_distributed.inference.chat import ChatTemplate
 from torsh_distributed.inference.generate import GenerationResult
 from torsh_distributed.inference.sampling import SamplingConfig
-from torsh_distributed.inference.text import cut_at_stop
 
 __all__ = [
     "APIError",
@@ -40,7 +40,6 @@ __all__ = [
     "plan_chat",
     "error_body",
     "finish_reason",
-    "TextStream",
 ]
 
 _SEEDS = 2**64
@@ -116,7 +115,8 @@ class CompletionRequest(_Sampling):
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    """Report each token's log-probability and this many alternatives' (OpenAI's limit: 5)."""
     echo: bool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
@@ -144,7 +144,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -163,6 +163,8 @@ _EXPECTED = {
     "stop": "a string or a list of strings",
     "seed": "an int in [-2**63, 2**64)",
     "stream": "true or false",
+    "logprobs": "null or an int in [0, 5] (completions), true or false (chat)",
+    "top_logprobs": "an int in [0, 20]",
 }
 
 
@@ -224,6 +226,8 @@ class Plan:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    logprobs: int | None
+    """Alternatives per token whose log-probabilities are reported; ``None``: no logprobs."""
 
 
 def _common(req: _Sampling, model_name: str) -> None:
@@ -311,7 +315,12 @@ def _rows(
     return out
 
 
-def _plan(kind: Literal["completion", "chat"], req: _Sampling, choices: list[Choice]) -> Plan:
+def _plan(
+    kind: Literal["completion", "chat"],
+    req: _Sampling,
+    choices: list[Choice],
+    logprobs: int | None,
+) -> Plan:
     usage = req.stream_options is not None and bool(req.stream_options.include_usage)
     return Plan(
         kind=kind,
@@ -319,6 +328,7 @@ def _plan(kind: Literal["completion", "chat"], req: _Sampling, choices: list[Cho
         stream=req.stream,
         include_usage=usage,
         return_token_ids=req.return_token_ids,
+        logprobs=logprobs,
     )
 
 
@@ -331,8 +341,6 @@ def plan_completion(
 ) -> Plan:
     """The rows of a completion request (``len(prompts) * n``), or :class:`APIError`."""
     _common(req, model_name)
-    if req.logprobs is not None:
-        raise _unsupported("logprobs")
     if req.echo:
         raise _unsupported("echo")
     if req.suffix:
@@ -353,7 +361,7 @@ def plan_completion(
     choices = _rows(
         req, prompts, max_tokens=req.max_tokens, default_max_tokens=16, stop=(), limits=limits
     )
-    return _plan("completion", req, choices)
+    return _plan("completion", req, choices, req.logprobs)
 
 
 def plan_chat(
@@ -366,8 +374,8 @@ def plan_chat(
 ) -> Plan:
     """The rows of a chat request: its messages rendered by ``template``, then ``n`` rows."""
     _common(req, model_name)
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.tools or (req.tool_choice not in (None, "none")):
         raise _unsupported("tools")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -394,7 +402,7 @@ def plan_chat(
         stop=template.stop,
         limits=limits,
     )
-    return _plan("chat", req, choices)
+    return _plan("chat", req, choices, (req.top_logprobs or 0) if req.logprobs else None)
 
 
 def finish_reason(result: GenerationResult) -> str:
@@ -414,25 +422,89 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+LogprobEntry = tuple[float, list[tuple[int, float]]]
+
+
+def token_text(decode: Callable[[Sequence[int]], str], token: int) -> tuple[str, list[int]]:
+    """A token as logprobs show it, and its bytes: decoded, or ``bytes:\\xNN`` for a byte
+    token that is not a whole UTF-8 character (vLLM's convention)."""
+    text = decode([token])
+    if "\ufffd" in text and 0 <= token < 256:
+        return f"bytes:\\x{token:02x}", [token]
+    return text, list(text.encode())
+
+
+def logprobs_block(
+    plan: Plan,
+    tokens: Sequence[int],
+    entries: Sequence[LogprobEntry],
+    decode: Callable[[Sequence[int]], str],
+    *,
+    before: Sequence[int] = (),
+) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of ``tokens``, which follow ``before`` in the completion
+    (completions: parallel lists, ``text_offset`` = the length of the decoded completion
+    before each token; chat: ``content`` entries with ``bytes``); ``None`` when not asked."""
+    if plan.logprobs is None:
+        return None
+    shown = [token_text(decode, t) for t in tokens]
+    if plan.kind == "chat":
+        content = []
+        for (text, raw), (lp, top) in zip(shown, entries, strict=True):
+            alternatives = []
+            for t, v in top:
+                alt, alt_raw = token_text(decode, t)
+                alternatives.append({"token": alt, "logprob": v, "bytes": alt_raw})
+            content.append(
+                {"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives}
+            )
+        return {"content": content}
+    prefix = list(before)
+    offsets = []
+    for t in tokens:
+        offsets.append(len(decode(prefix)))
+        prefix.append(t)
+    return {
+        "tokens": [text for text, _ in shown],
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [
+            {text: lp, **{token_text(decode, t)[0]: v for t, v in top}}
+            for (text, _), (lp, top) in zip(shown, entries, strict=True)
+        ],
+        "text_offset": offsets,
+    }
+
+
 def response(
-    plan: Plan, results: Sequence[GenerationResult], *, rid: str, model_name: str
+    plan: Plan,
+    results: Sequence[GenerationResult],
+    *,
+    rid: str,
+    model_name: str,
+    logprobs: Sequence[Sequence[LogprobEntry]] = (),
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> dict[str, Any]:
-    """The whole answer to a request that did not stream."""
+    """The whole answer to a request that did not stream (``logprobs``: per choice, per token,
+    when the plan asks for them)."""
     choices = []
     for index, result in enumerate(results):
         text = result.text or ""
+        block = None
+        if plan.logprobs is not None:
+            assert decode is not None
+            block = logprobs_block(plan, result.tokens, logprobs[index], decode)
         if plan.kind == "chat":
             choice: dict[str, Any] = {
                 "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": block,
                 "finish_reason": finish_reason(result),
             }
         else:
             choice = {
                 "index": index,
                 "text": text,
-                "logprobs": None,
+                "logprobs": block,
                 "finish_reason": finish_reason(result),
             }
         if plan.return_token_ids:
@@ -467,6 +539,7 @@ def chunk(
     finish: str | None = None,
     role: bool = False,
     token_ids: list[int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One stream chunk for choice ``index``: a text delta and/or its ``finish_reason``."""
     if plan.kind == "chat":
@@ -475,9 +548,9 @@ def chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs}
     choice["finish_reason"] = finish
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -500,40 +573,3 @@ def usage_chunk(plan: Plan, *, rid: str, model_name: str, created: int, completi
         "choices": [],
         "usage": usage(sum(prompts.values()), completion),
     }
-
-
-class TextStream:
-    """The text of one streamed choice, released as it becomes final.
-
-    Byte-level tokens can end inside a UTF-8 character, and a stop string's first characters
-    may already be generated when it completes, so the tail that may still change (trailing
-    U+FFFD, the last ``len(longest stop) - 1`` characters) is held back until the next token or
-    the end; the concatenated deltas equal the non-streamed ``text``.
-    """
-
-    def __init__(self, sampling: SamplingConfig, decode: Callable[[Sequence[int]], str]) -> None:
-        self._decode = decode
-        self._stops = sampling.stop_strings
-        self._stop_tokens = set(sampling.stop_tokens)
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def push(self, token: int) -> str:
-        """Add a generated token; the text that became final (maybe ``""``)."""
-        self.tokens.append(token)
-        body = self.tokens[:-1] if token in self._stop_tokens else self.tokens
-        text, found = cut_at_stop(self._decode(body), self._stops)
-        end = len(text) if found else len(text) - self._hold
-        while end > 0 and text[end - 1] == "\ufffd":
-            end -= 1
-        if end <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent) : end], text[:end]
-        return delta
-
-    def finish(self, final: str) -> str:
-        """The rest of the final ``text`` not yet sent."""
-        delta = final[len(self.sent) :] if final.startswith(self.sent) else final
-        self.sent = final
-        return delta

@@ -72,6 +72,10 @@ class Pending:
     finished: float | None = None
     cancelled: bool = False
     """Set by the handler when its client went away: a continuous batch drops the row."""
+    logprobs: int | None = None
+    """Alternatives per token whose log-probabilities are reported (``None``: none)."""
+    logprob_values: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    """Per generated token: its log-probability and the top alternatives'."""
     _sent: int = 0
     _attempt_pos: int = 0
 
@@ -87,6 +91,11 @@ class Pending:
         if self.stream and self._attempt_pos > self._sent:
             self._sent = self._attempt_pos
             self.sink.put(("token", self.choice, token))
+
+    def logprob(self, value: tuple[float, list[tuple[int, float]]]) -> None:
+        self.logprob_values.append(value)
+        if self.stream:
+            self.sink.put(("logprob", self.choice, value))
 
     def done(self, result: GenerationResult) -> None:
         self.finished = time.perf_counter()

@@ -187,6 +187,10 @@ class ServerConfig:
         _positive("request_timeout_s", self.request_timeout_s, kind=float)
 
 
+def _prompt_len(pending: Pending) -> int:
+    return len(pending.prompt_tokens)
+
+
 def _vocab_size(model: object) -> int | None:
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     return size if isinstance(size, int) and not isinstance(size, bool) else None
@@ -389,14 +393,27 @@ class InferenceServer:
         }
         if kind == "chat":
             request = oa.parse(oa.ChatCompletionRequest, body)
-            return oa.plan_chat(request, template=self.chat_template, **common)
-        return oa.plan_completion(oa.parse(oa.CompletionRequest, body), **common)
+            plan = oa.plan_chat(request, template=self.chat_template, **common)
+        else:
+            plan = oa.plan_completion(oa.parse(oa.CompletionRequest, body), **common)
+        if plan.logprobs is not None and self.scheduler != "continuous":
+            raise oa.APIError(
+                400,
+                "logprobs needs the continuous scheduler (--scheduler continuous)",
+                param="logprobs",
+            )
+        return plan
 
     def submit(self, plan: oa.Plan, sink: Sink) -> list[Pending]:
         """Queue a plan's rows, all or none (raises ``APIError`` 503 when full or closing)."""
         rows = [
             Pending(
-                prompt_tokens=c.tokens, sampling=c.sampling, stream=plan.stream, choice=i, sink=sink
+                prompt_tokens=c.tokens,
+                sampling=c.sampling,
+                stream=plan.stream,
+                choice=i,
+                sink=sink,
+                logprobs=plan.logprobs,
             )
             for i, c in enumerate(plan.choices)
         ]
@@ -504,7 +521,7 @@ class InferenceServer:
         live, next_id = self._live, 0
         while True:
             wait = 0.0 if engine.running else HEARTBEAT_S
-            taken = self._queue.take(fits=_Fits(engine), wait_s=wait)
+            taken = self._queue.take(fits=engine.admission(_prompt_len), wait_s=wait)
             if taken is None and not engine.running:
                 return
             cancel = [i for i, p in live.items() if p.cancelled]
@@ -514,7 +531,11 @@ class InferenceServer:
                     continue
                 p.begin_attempt()
                 live[next_id] = p
-                joins.append(Join(id=next_id, prompt=p.prompt_tokens, sampling=p.sampling))
+                joins.append(
+                    Join(
+                        id=next_id, prompt=p.prompt_tokens, sampling=p.sampling, logprobs=p.logprobs
+                    )
+                )
                 next_id += 1
             if not joins and not engine.running:
                 if self._group is not None:
@@ -530,24 +551,10 @@ class InferenceServer:
             for rid, kind, value in events:
                 if kind == "token":
                     live[rid].token(value)
+                elif kind == "logprob":
+                    live[rid].logprob(value)
                 else:
                     self._finish(live.pop(rid), value)
-
-
-class _Fits:
-    """Whether the next queued row joins this step (counts the rows it admitted)."""
-
-    def __init__(self, engine: ContinuousBatcher) -> None:
-        self.engine = engine
-        self.rows = self.tokens = 0
-
-    def __call__(self, pending: Pending) -> bool:
-        size = len(pending.prompt_tokens)
-        if not self.engine.admits(size, joining=self.rows, joining_tokens=self.tokens):
-            return False
-        self.rows += 1
-        self.tokens += size
-        return True
 
 
 def follow(generator: TextGenerator, *, on_batch: Callable[[int], None] | None = None) -> None:

@@ -9,7 +9,10 @@
 * :mod:`.load` — the built-in GPT (or any model) from a training checkpoint of any layout;
 * :mod:`.jobs` — :class:`~.jobs.GenerateJob` / :func:`~.jobs.run_generate` (``torsh-dist generate``);
 * :mod:`.batch` — :class:`~.batch.InferJob` / :func:`~.batch.run_infer`, resumable
-  data-parallel batch inference over JSONL (``torsh-dist infer``).
+  data-parallel batch inference over JSONL (``torsh-dist infer``);
+* :mod:`.server` — :class:`~.server.InferenceServer`, the OpenAI-compatible HTTP server
+  (FastAPI on uvicorn, continuous batching; ``torsh-dist serve``), and :mod:`.chat` — the
+  :class:`~.chat.ChatTemplate` its chat endpoint renders prompts with.
 
 See ``docs/inference.md``. (The function :func:`generate` is bound here after its module is
 imported, so ``from torsh_distributed.inference import generate`` is the function.)

@@ -175,8 +175,15 @@ def main(args: argparse.Namespace) -> int:
     from torsh_distributed.federated.task import Task
 
     config = config_from_args(args)
-    if config.task.model:
-        Task(config).client_data(0)  # imports and calls the factories: errors before any process
+    if config.task.model:  # import and call the factories: their errors come before any process
+        import torch
+
+        task = Task(config)
+        with torch.device("meta"):
+            task.model()
+        task.client_data(0)
+        if config.task.val_dataset:
+            task.val_dataset()
     federation = Federation(
         config, host=args.superlink_host, port=args.superlink_port, local_nodes=not args.remote_nodes,
         token=_token(args),

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
@@ -238,9 +238,7 @@ class Federation:
                     token=self.token.encode(),
                 ).start()  # fmt: skip
             if self.local_nodes and self.config.regions:
-                from torsh_distributed.federated.hierarchy import start_regions
-
-                start_regions(self)
+                self.start_regions()
             elif self.local_nodes:
                 for pid in range(self.config.clients):
                     cmd = supernode_command(
@@ -251,6 +249,24 @@ class Federation:
             yield self
         finally:
             self.stop()
+
+    def start_regions(self) -> list[dict[str, Any]]:
+        """Start each region's SuperLink, its clients' SuperNodes and its regional SuperNode
+        (joined to this SuperLink) on this host (:mod:`~torsh_distributed.federated.hierarchy`);
+        returns what was started, per region."""
+        config = self.config
+        started = []
+        for region in range(config.regions):
+            state = self.run_dir / "regions" / f"region{region}" / "flwr"
+            link = f"127.0.0.1:{self.start_superlink(f'region{region}-superlink', state)}"
+            for pid in config.region_members(region):
+                cmd = supernode_command(link, partition_id=pid, num_partitions=config.clients, port=free_port())
+                self._spawn(f"region{region}-supernode-{pid}", cmd, home=state / "home")
+            cmd = supernode_command(self.address, partition_id=region, num_partitions=config.regions, port=free_port())
+            cmd[-1] = f'region-id={region} num-regions={config.regions} region-superlink="{link}"'
+            self._spawn(f"region{region}-aggregator", cmd)
+            started.append({"region": region, "superlink": link, "clients": config.region_members(region)})
+        return started
 
     def start_superlink(self, name: str, state_dir: Path, *, port: int = 0) -> int:
         """Start a SuperLink on 127.0.0.1 (its database in ``state_dir``); returns its port."""

@@ -12,8 +12,9 @@ its own ``strategy`` to the regions' answers. With FedAvg at the top, full parti
 one local step, the result equals a flat run's (a test checks it); a region's traffic to the
 server is one update instead of one per client.
 
-:func:`start_regions` starts the regional SuperLinks and nodes for a local federation (the
-launcher calls it); over hosts each region would run the same processes on its own host.
+:meth:`~torsh_distributed.federated.deploy.Federation.start_regions` starts the regional
+SuperLinks and nodes of a local federation; over hosts each region would run the same processes
+on its own host.
 """
 
 from __future__ import annotations
@@ -22,17 +23,13 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torsh_distributed.federated.client import LocalResult
 from torsh_distributed.federated.config import FederatedConfig
 
-if TYPE_CHECKING:
-    from torsh_distributed.federated.deploy import Federation
-
-__all__ = ["regional_config", "regional_round", "start_regions"]
+__all__ = ["regional_config", "regional_round"]
 
 
 def regional_config(config: FederatedConfig, region: int, *, server_round: int, run_dir: Path) -> FederatedConfig:
@@ -100,25 +97,3 @@ def regional_round(
         seconds=time.perf_counter() - started,
         describe=f"region {region}: {record['answered']} of {record['sampled']} clients",
     )
-
-
-def start_regions(fed: Federation) -> list[dict[str, Any]]:
-    """Start each region's SuperLink, its clients' SuperNodes and its regional SuperNode (joined
-    to ``fed``'s SuperLink) on this host; returns what was started, per region."""
-    from torsh_distributed.federated.deploy import free_port, supernode_command
-
-    config = fed.config
-    started = []
-    for region in range(config.regions):
-        home = fed.run_dir / "regions" / f"region{region}" / "flwr"
-        home.mkdir(parents=True, exist_ok=True)
-        port = fed.start_superlink(f"region{region}-superlink", home)
-        link = f"127.0.0.1:{port}"
-        for pid in config.region_members(region):
-            cmd = supernode_command(link, partition_id=pid, num_partitions=config.clients, port=free_port())
-            fed._spawn(f"region{region}-supernode-{pid}", cmd, home=home / "home")
-        cmd = supernode_command(fed.address, partition_id=region, num_partitions=config.regions, port=free_port())
-        cmd[-1] = f'region-id={region} num-regions={config.regions} region-superlink="{link}"'
-        fed._spawn(f"region{region}-aggregator", cmd)
-        started.append({"region": region, "superlink": link, "clients": config.region_members(region)})
-    return started

@@ -112,6 +112,14 @@ class Task:
             cfg.partition, data, num_clients=cfg.clients, seed=cfg.seed, alpha=cfg.alpha,
             min_size=cfg.client.batch_size,  # every client can fill one batch (or a clear error)
         )
+        small = [(i, len(p)) for i, p in enumerate(parts) if len(p) < cfg.client.batch_size]
+        if small:
+            who, size = small[0]
+            raise ValueError(
+                f"the {cfg.partition} split gives client {who} {size} samples, fewer than one batch "
+                f"(client.batch_size {cfg.client.batch_size}; {len(small)} such clients): use fewer "
+                "clients, a smaller batch or another split"
+            )
         mine = parts[partition_id]
         return ClientData(dataset=Subset(data, mine), describe=f"{len(mine)} samples")
 

@@ -50,6 +50,7 @@ def test_the_world_size_follows_the_series_and_the_loss_is_the_uninterrupted_run
     )
     proc, _ = _train(["--nproc-per-node", "1:2", "--carbon.scale", "--carbon.series", str(tmp_path / "s.csv"),
                       "--checkpoint.dir", str(tmp_path / "ckpt"), "--summary-json", str(tmp_path / "scaled.json")])
+    (tmp_path / "scaled.log").write_text(proc.stdout)  # kept with the run, for a reader
     data = json.loads((tmp_path / "scaled.json").read_text())
     scaling = data["carbon"]["scaling"]
     segments = scaling["segments"]

@@ -80,6 +80,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 flags.append(_ALIASES[dest])
             elif section and counts[f.name] == 1:
                 flags.append(f"--{dashed}")
+            if typing.get_type_hints(cls)[f.name] is bool:  # --secagg / --no-secagg
+                group.add_argument(*flags, dest=dest, default=None, action=argparse.BooleanOptionalAction,
+                                   help=docs.get(f.name, ""))  # fmt: skip
+                continue
             group.add_argument(
                 *flags, dest=dest, type=_type_of(cls, f), default=None, metavar=f.name.upper(),
                 help=docs.get(f.name, ""),
@@ -175,6 +179,14 @@ def main(args: argparse.Namespace) -> int:
     from torsh_distributed.federated.task import Task
 
     config = config_from_args(args)
+    if config.secagg:  # the protocol's own limits, for the clients of a round
+        from torsh_distributed.federated.secagg import check_secagg
+
+        shares, threshold = config.secagg_plan(config.sampled_per_round)
+        check_secagg(
+            config.sampled_per_round, num_shares=shares, reconstruction_threshold=threshold,
+            clipping_range=config.secagg_clip, quantization_range=config.secagg_quantization,
+        )  # fmt: skip
     if config.task.model:  # import and call the factories: their errors come before any process
         import torch
 

@@ -153,6 +153,19 @@ class FederatedConfig:
     which that client compresses more next round (below a quarter of it: less)."""
     error_feedback: bool = True
     """Each client keeps what compression did not send and adds it to its next update."""
+    secagg: bool = False
+    """Secure aggregation with Flower's SecAgg+ (Bell et al. 2020): clients send quantised,
+    masked updates and the server learns only their weighted sum; tolerates clients dropping out
+    after key sharing. Costs 4 message exchanges per round and int64 vectors (docs/federated.md)."""
+    secagg_shares: int = 0
+    """SecAgg+: clients holding shares of each client's secrets (odd, >= 3; 0 = all)."""
+    secagg_threshold: int = 0
+    """SecAgg+: shares needed to rebuild a secret (> half of the shares; 0 = a majority)."""
+    secagg_clip: float = 8.0
+    """SecAgg+: each weighted update coordinate is clipped to [-c, c] before quantisation."""
+    secagg_quantization: int = 2**22
+    """SecAgg+: quantisation levels Q (a power of two); the aggregate's error per coordinate is
+    below 2 c N W / (Q sum n_k) (docs/federated.md)."""
     regions: int = 0
     """Two-level aggregation (edge -> region -> server): 0 = every client reports to the server;
     R = the clients are dealt to R regions in contiguous blocks of partition ids, each region has
@@ -210,6 +223,17 @@ class FederatedConfig:
             raise ValueError(
                 f"federated.straggler_policy must be keep or drop, got {self.straggler_policy!r}"
             )
+        if self.secagg:
+            if self.clients < 2:
+                raise ValueError("secure aggregation needs at least 2 clients (the sum of one update is that update)")
+            for what, bad in (
+                (f"strategy {self.strategy} (secagg sums updates: fedavg or fedprox)", self.strategy not in ("fedavg", "fedprox")),
+                (f"compression {self.compression} (secagg quantises the updates itself)", self.compression != "none"),
+                ("DP noise (client-side clipping + server noise with secagg is not built)", self.privacy.enabled),
+                ("regions", bool(self.regions)),
+            ):
+                if bad:
+                    raise ValueError(f"secagg does not combine with {what}")
         if not 0 <= self.regions <= self.clients:
             raise ValueError(f"federated.regions must be in [0, clients={self.clients}], got {self.regions}")
         if self.regions and self.regions < self.min_clients:
@@ -251,6 +275,12 @@ class FederatedConfig:
         task = TaskConfig(**data.pop("task", {}))
         privacy = PrivacyConfig(**data.pop("privacy", {}))
         return cls(client=client, task=task, privacy=privacy, **data)
+
+    def secagg_plan(self, num_clients: int) -> tuple[int, int]:
+        """SecAgg+'s (shares, threshold) for a round of ``num_clients``: ``secagg_shares`` (all
+        when 0 or more than the round's clients) and ``secagg_threshold`` (a majority when 0)."""
+        shares = num_clients if not self.secagg_shares or self.secagg_shares >= num_clients else self.secagg_shares
+        return shares, self.secagg_threshold or shares // 2 + 1
 
     @property
     def expected_nodes(self) -> int:

@@ -57,6 +57,10 @@ spec = ""
 """
 
 
+_CLIENT_COMPONENT = 'clientapp = "torsh_distributed.federated.apps:client_app"'
+_SECAGG_CLIENT_COMPONENT = 'clientapp = "torsh_distributed.federated.secagg:secagg_client_app"'
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -290,7 +294,10 @@ class Federation:
         flwr = self.run_dir / "flwr"
         app = flwr / "app"
         app.mkdir(parents=True, exist_ok=True)
-        (app / "pyproject.toml").write_text(_APP_PYPROJECT)
+        pyproject = _APP_PYPROJECT
+        if self.config.secagg:  # the clients answer SecAgg+'s stages (secaggplus_mod)
+            pyproject = pyproject.replace(_CLIENT_COMPONENT, _SECAGG_CLIENT_COMPONENT)
+        (app / "pyproject.toml").write_text(pyproject)
         home = flwr / "home"
         home.mkdir(exist_ok=True)
         (home / "config.toml").write_text(

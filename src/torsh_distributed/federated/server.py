@@ -240,6 +240,55 @@ class RoundLoop:
             )
         return rounds
 
+    def _secagg_round(self, server_round: int, arrays: Any, messages: list[Any], started: float) -> tuple[Any, dict[str, Any]]:
+        """The round under SecAgg+: Flower's strategy sampled the nodes; the protocol trains them
+        and returns the example-weighted mean (:mod:`~torsh_distributed.federated.secagg`)."""
+        from flwr.app import ArrayRecord
+
+        from torsh_distributed.federated.secagg import secagg_round
+
+        cfg = self.config
+        nodes = [m.metadata.dst_node_id for m in messages]
+        shares, threshold = cfg.secagg_plan(len(nodes))
+        res = secagg_round(
+            self.grid, config=cfg, server_round=server_round, global_state=arrays.to_torch_state_dict(),
+            node_ids=nodes, timeout=cfg.round_timeout, num_shares=shares, reconstruction_threshold=threshold,
+            clipping_range=cfg.secagg_clip, quantization_range=cfg.secagg_quantization,
+            proximal_mu=cfg.proximal_mu if cfg.strategy == "fedprox" else 0.0,
+        )  # fmt: skip
+        failed = not res.ok or res.completed < cfg.min_clients
+        if not failed:
+            arrays = ArrayRecord(res.state)
+        weight = sum(c["examples"] for c in res.clients)
+        train_loss = sum(c["loss"] * c["examples"] for c in res.clients) / weight if weight else float("nan")
+        val = self._evaluate(arrays.to_torch_state_dict())
+        record: dict[str, Any] = {
+            "round": server_round,
+            "loss": val.get("loss", train_loss),
+            "train_loss": train_loss,
+            "val_loss": val.get("loss"),
+            "sampled": res.sampled,
+            "answered": res.completed,
+            "dropped": res.dropped,
+            "failed": failed,
+            "clients": sorted(res.clients, key=lambda c: c["partition_id"]),
+            "bytes": dict(res.bytes),
+            "seconds": time.perf_counter() - started,
+            "secagg": {
+                "error_bound": res.error_bound, "clipped": res.clipped, "failed_stage": res.failed_stage,
+                "stage_seconds": res.stage_seconds, "stage_bytes": res.stage_bytes,
+                "num_shares": res.num_shares, "reconstruction_threshold": res.reconstruction_threshold,
+            },
+            **self.hooks.round_metrics(server_round, res.completed, not failed),
+        }  # fmt: skip
+        if "accuracy" in val:
+            record["accuracy"] = val["accuracy"]
+        if res.errors:
+            record["errors"] = res.errors[:5]
+        self.log(_round_line(cfg, record))
+        self.hooks.on_round(record)
+        return arrays, record
+
     def _exchange(self, messages: list[Any], *, timeout: float) -> tuple[list[Any], dict[int, float]]:
         """Send the round's messages and collect replies until all arrived or ``timeout``; also
         each replying node's turnaround (sent to received, polled every 0.2 s)."""
@@ -265,6 +314,8 @@ class RoundLoop:
         random.seed(cfg.seed * 1_000_003 + server_round)  # Flower samples with `random`
         train_config = config_record({"spec": cfg.to_json()})
         messages = list(self.strategy.configure_train(server_round, arrays, train_config, self.grid))
+        if cfg.secagg:
+            return self._secagg_round(server_round, arrays, messages, started)
         methods = self.hooks.configure(messages)
         sampled = len(messages)
         down = sampled * arrays.count_bytes()

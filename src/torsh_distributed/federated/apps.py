@@ -31,22 +31,9 @@ client_app = ClientApp()
 server_app = ServerApp()
 
 
-def _node_partition(context: Context, clients: int) -> int:
-    node = context.node_config
-    if "partition-id" not in node:
-        raise ValueError(
-            "this SuperNode has no partition-id in its node config: start it with "
-            "--node-config 'partition-id=I num-partitions=N' (torsh-dist federated-node does)"
-        )
-    pid, num = int(node["partition-id"]), int(node.get("num-partitions", clients))
-    if num != clients:
-        raise ValueError(f"this SuperNode was started for {num} partitions, the run has {clients} clients")
-    return pid
-
-
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
-    from torsh_distributed.federated.client import train_round
+    from torsh_distributed.federated.client import node_partition, train_round
 
     config_record = msg.content["config"]
     config = FederatedConfig.from_dict(json.loads(str(config_record["spec"])))
@@ -63,7 +50,7 @@ def _train(msg: Message, context: Context) -> Message:
         )  # fmt: skip
         pid = region  # the server's per-client rows mark it "region"
     else:
-        pid = _node_partition(context, config.clients)
+        pid = node_partition(context.node_config, config.clients)
         result = train_round(config, global_state, partition_id=pid, server_round=server_round, proximal_mu=mu)
     state = result.state
     if _CLIP in config_record:  # client-side clipping of DP: clip the update before it leaves

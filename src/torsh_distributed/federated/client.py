@@ -35,7 +35,7 @@ from torch import nn
 from torsh_distributed.federated.config import FederatedConfig
 from torsh_distributed.federated.task import Task
 
-__all__ = ["LocalResult", "straggler_steps", "train_round"]
+__all__ = ["LocalResult", "node_partition", "straggler_steps", "train_round"]
 
 StateDict = dict[str, torch.Tensor]
 
@@ -58,6 +58,24 @@ class LocalResult:
     """Wall time of the local training."""
     describe: str = ""
     """The client's data, in words."""
+
+
+def node_partition(node_config: Any, clients: int) -> int:
+    """The partition id a SuperNode was started with (Flower's node config), checked against the
+    run's number of clients.
+
+    Raises:
+        ValueError: no ``partition-id``, or a node started for another number of clients.
+    """
+    if "partition-id" not in node_config:
+        raise ValueError(
+            "this SuperNode has no partition-id in its node config: start it with "
+            "--node-config 'partition-id=I num-partitions=N' (torsh-dist federated-node does)"
+        )
+    pid, num = int(node_config["partition-id"]), int(node_config.get("num-partitions", clients))
+    if num != clients:
+        raise ValueError(f"this SuperNode was started for {num} partitions, the run has {clients} clients")
+    return pid
 
 
 def straggler_steps(config: FederatedConfig, *, server_round: int, partition_id: int, steps: int) -> int:

@@ -477,8 +477,7 @@ def _train(msg: Message, context: Context) -> Message:
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
     from flwr.compat.common import recorddict_compat as compat
 
-    from torsh_distributed.federated.apps import _node_partition
-    from torsh_distributed.federated.client import train_round
+    from torsh_distributed.federated.client import node_partition, train_round
 
     fit_ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     cfg = fit_ins.config
@@ -486,7 +485,7 @@ def _train(msg: Message, context: Context) -> Message:
     server_round = int(cfg["server-round"])
     mu = float(cfg.get("proximal-mu", 0.0))
     names = json.loads(str(cfg["names"]))
-    pid = _node_partition(context, config.clients)
+    pid = node_partition(context.node_config, config.clients)
     arrays = parameters_to_ndarrays(fit_ins.parameters)
     global_state = {
         k: torch.from_numpy(np.array(a, copy=True)) for k, a in zip(names, arrays, strict=True)

@@ -38,3 +38,14 @@ def test_round_metrics_are_scraped_and_shown() -> None:
         assert state["slowest_rank"] == 2 and not state["done"]
     finally:
         monitor.close()
+
+
+def test_plot_of_rounds_is_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from torsh_distributed.federated.report import plot_rounds
+
+    rounds = [dict(RECORD, round=r, loss=2.0 / r, failed=r == 2) for r in (1, 2, 3)]
+    path = tmp_path / "fl.png"
+    plot_rounds({"strategy": "fedavg", "clients": 3, "rounds": rounds}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    with pytest.raises(ValueError, match="no rounds"):
+        plot_rounds({"rounds": []}, str(tmp_path / "none.png"))

@@ -138,7 +138,7 @@ def _attempt(cmd: list[str], timeout: float) -> tuple[int, list[str]]:
 
     def kill() -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)  # the CLI stops its SuperLink and SuperNodes
+            os.killpg(proc.pid, signal.SIGINT)  # the CLI stops its SuperLink and SuperNodes
 
     killer = threading.Timer(timeout, kill)
     killer.start()
@@ -154,8 +154,58 @@ def _attempt(cmd: list[str], timeout: float) -> tuple[int, list[str]]:
         killer.cancel()
 
 
+def _result(
+    run: dict[str, Any], summary: dict[str, Any], *, wall: float | None, load: tuple[float, float] | None
+) -> dict[str, Any]:
+    """One run's record from its summary (``wall``: end to end; ``load``: 1-min load average
+    before and after; ``None`` when rebuilt from a kept run directory)."""
+    rounds = summary["rounds"]
+    return {
+        **{k: run[k] for k in ("group", "name")},
+        "command": "torsh-dist federated " + " ".join(run["flags"]),
+        "wall_s": wall,
+        "server_wall_s": summary.get("wall_time_s"),
+        "load_before": load[0] if load else None,
+        "load_after": load[1] if load else None,
+        "rounds": [
+            {
+                "round": r["round"],
+                "loss": r["loss"],
+                "train_loss": r.get("train_loss"),
+                "accuracy": r.get("accuracy"),
+                "sampled": r["sampled"],
+                "answered": r["answered"],
+                "stragglers_kept": sum(1 for c in r["clients"] if c["straggler"]),
+                "steps": sum(c["steps"] for c in r["clients"]),
+                "bytes": r["bytes"]["total"],
+                "seconds": r["seconds"],
+                "failed": r["failed"],
+            }
+            for r in rounds
+        ],
+        "errors": sorted({e for r in rounds for e in r.get("errors", [])}),
+        "failed_attempts": [],
+    }
+
+
+def _slug(run: dict[str, Any]) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in f"{run['group']}-{run['name']}").lower()
+
+
+def _from_runs(runs: list[dict[str, Any]], work: Path) -> list[dict[str, Any]]:
+    """The records of the runs whose summary a kept ``--keep-runs`` directory holds (the last
+    attempt's); end-to-end wall time and load are not in a summary and show as n/a."""
+    results = []
+    for run in runs:
+        found = sorted(work.glob(f"{_slug(run)}-[0-9]*.json"))
+        if found:
+            results.append(_result(run, json.loads(found[-1].read_text()), wall=None, load=None))
+            print(f"{run['name']}: {found[-1]}")
+    return results
+
+
 def _run(run: dict[str, Any], work: Path, timeout: float, retries: int) -> dict[str, Any]:
-    slug = "".join(ch if ch.isalnum() else "-" for ch in f"{run['group']}-{run['name']}").lower()
+    slug = _slug(run)
     print(f"\n== {run['group']}: {run['name']}\n$ torsh-dist federated {' '.join(run['flags'])}", flush=True)
     failures: list[str] = []
     for attempt in range(retries + 1):
@@ -174,35 +224,9 @@ def _run(run: dict[str, Any], work: Path, timeout: float, retries: int) -> dict[
     else:  # recorded, and the other runs go on
         return {**{k: run[k] for k in ("group", "name")}, "command": "torsh-dist federated " + " ".join(run["flags"]),
                 "rounds": [], "failed_attempts": failures}
-    summary = json.loads(out.read_text())
-    rounds = summary["rounds"]
-    errors = sorted({e for r in rounds for e in r.get("errors", [])})
-    result = {
-        **{k: run[k] for k in ("group", "name")},
-        "command": "torsh-dist federated " + " ".join(run["flags"]),
-        "wall_s": wall,
-        "server_wall_s": summary.get("wall_time_s"),
-        "load_before": load_before,
-        "load_after": _load(),
-        "rounds": [
-            {
-                "round": r["round"],
-                "loss": r["loss"],
-                "train_loss": r.get("train_loss"),
-                "accuracy": r.get("accuracy"),
-                "sampled": r["sampled"],
-                "answered": r["answered"],
-                "stragglers_kept": sum(1 for c in r["clients"] if c["straggler"]),
-                "steps": sum(c["steps"] for c in r["clients"]),
-                "bytes": r["bytes"]["total"],
-                "seconds": r["seconds"],
-                "failed": r["failed"],
-            }
-            for r in rounds
-        ],
-        "errors": errors,
-        "failed_attempts": failures,
-    }
+    result = _result(run, json.loads(out.read_text()), wall=wall, load=(load_before, _load()))
+    result["failed_attempts"] = failures
+    errors = result["errors"]
     if errors:
         print(f"  client errors: {errors}", flush=True)
     return result
@@ -225,7 +249,8 @@ def _group_tables(group: str, results: list[dict[str, Any]]) -> str:
         return ""
     metric = "accuracy" if rows[0]["rounds"][0]["accuracy"] is not None else "loss"
     spec = ".3f" if metric == "accuracy" else ".4f"
-    lines = [f"### {group}: server {metric} (and loss) after each round", ""]
+    what = "accuracy (and loss)" if metric == "accuracy" else "loss"
+    lines = [f"### {group}: server {what} after each round", ""]
     lines.append("| round | " + " | ".join(r["name"] for r in rows) + " |")
     lines.append("|---:|" + "---:|" * len(rows))
     for i in range(max(len(r["rounds"]) for r in rows)):
@@ -254,7 +279,7 @@ def _group_tables(group: str, results: list[dict[str, Any]]) -> str:
             + f"{sum(rd['answered'] for rd in rds) / n:.1f} of {sum(rd['sampled'] for rd in rds) / n:.1f} | "
             f"{sum(rd['stragglers_kept'] for rd in rds) / n:.1f} | {sum(rd['steps'] for rd in rds) / n:.0f} | "
             f"{sum(rd['bytes'] for rd in rds) / n / 1e6:.2f} | {sum(rd['seconds'] for rd in rds) / n:.1f} | "
-            f"{r['wall_s']:.0f} | {r['load_before']:.1f} / {r['load_after']:.1f} |"
+            f"{_fmt(r['wall_s'], '.0f')} | {_fmt(r['load_before'], '.1f')} / {_fmt(r['load_after'], '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -300,6 +325,27 @@ def _write_json(path: str, results: list[dict[str, Any]], wall: float) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "runs": results}, indent=2) + "\n")
 
 
+def _report(args: argparse.Namespace, results: list[dict[str, Any]], total: float) -> None:
+    print()
+    for group in GROUPS:
+        table = _group_tables(group, results)
+        if table:
+            print(table)
+    for r in results:
+        if not r["rounds"]:
+            print(f"{r['name']}: FAILED every attempt: {r['failed_attempts']}")
+            continue
+        print(f"{r['name']}: {_fmt(r['wall_s'], '.1f')} s end to end (server loop {r['server_wall_s']:.1f} s)")
+        for failure in r["failed_attempts"]:
+            print(f"  earlier failed attempt, rerun: {failure}")
+    print(f"benchmark wall time: {total:.0f} s")
+    if args.json:
+        _write_json(args.json, results, total)
+        print(f"results written to {args.json}")
+    if args.plot:
+        _plot(results, args.plot)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS), help="run these groups")
@@ -321,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG of accuracy (loss) vs rounds here")
     parser.add_argument("--keep-runs", help="run directories go here (default: a deleted temp dir)")
+    parser.add_argument("--from-runs", metavar="DIR",
+                        help="run nothing: tables, JSON and plot from the summaries a --keep-runs DIR holds")
     parser.add_argument("--smoke", action="store_true", help="seconds, not minutes: 2 clients, 1 round, IID")
     parser.add_argument("--check", action="store_true", help="only parse every run's flags with the CLI")
     args = parser.parse_args(argv)
@@ -336,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         _check(runs)
         return 0
     started = time.perf_counter()
+    if args.from_runs:
+        results = _from_runs(runs, Path(args.from_runs))
+        _report(args, results, time.perf_counter() - started)
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-federated-") as tmp:
         work = Path(args.keep_runs) if args.keep_runs else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -344,26 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(_run(run, work, args.timeout, args.retries))
             if args.json:  # after every run: a stopped benchmark keeps what it measured
                 _write_json(args.json, results, time.perf_counter() - started)
-    total = time.perf_counter() - started
-
-    print()
-    for group in GROUPS:
-        table = _group_tables(group, results)
-        if table:
-            print(table)
-    for r in results:
-        if not r["rounds"]:
-            print(f"{r['name']}: FAILED every attempt: {r['failed_attempts']}")
-            continue
-        print(f"{r['name']}: {r['wall_s']:.1f} s end to end (server loop {r['server_wall_s']:.1f} s)")
-        for failure in r["failed_attempts"]:
-            print(f"  earlier failed attempt, rerun: {failure}")
-    print(f"benchmark wall time: {total:.0f} s")
-    if args.json:
-        _write_json(args.json, results, total)
-        print(f"results written to {args.json}")
-    if args.plot:
-        _plot(results, args.plot)
+    _report(args, results, time.perf_counter() - started)
     return 0
 
 

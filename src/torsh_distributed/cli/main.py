@@ -23,11 +23,9 @@ _COMMANDS = {
     "slurm": "torsh_distributed.cli.slurm",
     "energy": "torsh_distributed.cli.energy",
     "federated": "torsh_distributed.cli.federated",
+    "federated-node": "torsh_distributed.cli.federated",  # registered with federated
 }
 """Subcommand -> the module whose ``register(subparsers)`` adds it, in ``--help`` order."""
-
-_ALIASES = {"federated-node": "federated"}
-"""Commands that another command's module registers."""
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -55,7 +53,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``torsh-dist``; user errors print one line and exit 2 instead of a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    command = _ALIASES.get(command or "", command)
     parser = build_parser(command if command in _COMMANDS else None)
     args = parser.parse_args(argv)
     try:

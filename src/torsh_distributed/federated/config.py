@@ -131,8 +131,9 @@ class FederatedConfig:
     alpha: float = 0.5
     """Dirichlet concentration: small = each client sees few labels (0.1 is strongly non-IID)."""
     stragglers: float = 0.0
-    """Fraction of each round's sampled clients that do only part of their local steps (a
-    uniform draw in 1..steps, seeded per round): the FedProx paper's systems heterogeneity."""
+    """Fraction of the clients that, in a round, do only part of their local steps (a uniform
+    draw in 1..steps; who and how much seeded per round, among all clients, so with
+    ``fraction`` < 1 the sampled share varies): the FedProx paper's systems heterogeneity."""
     straggler_policy: str = "keep"
     """keep = aggregate the stragglers' partial work (FedProx) | drop = discard their updates
     (FedAvg as that paper runs it)."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ipaddress
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -57,6 +59,7 @@ spec = ""
 """
 
 
+_RUN_ID = re.compile(r"run_id `(\d+)`")
 _CLIENT_COMPONENT = 'clientapp = "torsh_distributed.federated.apps:client_app"'
 _SECAGG_CLIENT_COMPONENT = 'clientapp = "torsh_distributed.federated.secagg:secagg_client_app"'
 
@@ -93,6 +96,24 @@ def supernode_command(
         "--host", host, "--port", str(port),
         "--node-config", f"partition-id={partition_id} num-partitions={num_partitions}",
     ]  # fmt: skip
+
+
+def _kill_apps(ports: set[int]) -> None:
+    """SIGKILL Flower's ``flwr-serverapp``/``flwr-clientapp``/``flower-superexec`` processes
+    attached to our SuperLinks/SuperNodes (``--runtime-api-address 127.0.0.1:PORT`` or its
+    ``--parent-pid``): they run detached, so stopping their parents does not reach them."""
+    if not ports:
+        return
+    import psutil
+
+    targets = {f"127.0.0.1:{p}" for p in ports}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if not any(("flwr-serverapp" in c or "flwr-clientapp" in c or "flower-superexec" in c) for c in cmd[:2]):
+            continue
+        if any(c in targets for c in cmd):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def _die_with_parent() -> None:
@@ -191,6 +212,8 @@ class Federation:
     _logs: list[IO[bytes]] = field(default_factory=list)
     _link_port: int = 0
     _relay: Relay | None = None
+    _ports: set[int] = field(default_factory=set)
+    """Ports of the SuperLinks and SuperNodes started here (their app processes name them)."""
 
     def __post_init__(self) -> None:
         # the ServerApp and the clients run in other directories: paths must not be relative
@@ -216,6 +239,8 @@ class Federation:
         return f"{self.host}:{self.port}"
 
     def _spawn(self, name: str, cmd: list[str], *, home: Path | None = None) -> subprocess.Popen[bytes]:
+        if "--port" in cmd:
+            self._ports.add(int(cmd[cmd.index("--port") + 1]))
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = (log_dir / f"{name}.log").open("ab")
@@ -278,8 +303,9 @@ class Federation:
         state_dir.mkdir(parents=True, exist_ok=True)
         proc = self._spawn(
             name,
-            [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
-             "--database", str(state_dir / "superlink.db")],
+            # Flower's in-memory state: its SQLite file locked under load and broke the log stream;
+            # a resumed server starts from our own checkpoints anyway
+            [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port)],
             home=state_dir / "home",
         )  # fmt: skip
         _wait_port("127.0.0.1", port, proc, what=name, timeout=60)
@@ -318,10 +344,13 @@ class Federation:
         self.procs["flwr-run"] = proc
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
+        run_id = ""
         for raw in proc.stdout:
             log.write(raw)
             log.flush()
             line = raw.decode(errors="replace").rstrip()
+            if not run_id and (found := _RUN_ID.search(line)):
+                run_id = found.group(1)
             at = line.find("federated:")
             text = line[at:] if at >= 0 else ""
             if text.startswith("federated:") or "Traceback" in line or "Error" in line:
@@ -329,9 +358,34 @@ class Federation:
             if time.monotonic() > deadline:
                 break
         try:
-            return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"the federated run did not end within {timeout:.0f} s") from None
+        if code == 0 and run_id:  # the log stream can end before the run: wait for the run
+            status = self._wait_run(run_id, env=env, deadline=deadline)
+            if not status.endswith("completed"):
+                self.echo(f"federated: run {run_id} ended as {status or 'unknown'} (logs in {self.run_dir / 'logs'})")
+                return 1
+        return code
+
+    def _wait_run(self, run_id: str, *, env: dict[str, str], deadline: float) -> str:
+        """Poll the SuperLink until run ``run_id`` is finished; returns its status text
+        (``finished:completed``, ``finished:failed``, ...; empty when it cannot be read)."""
+        status = ""
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                [_bin("flwr"), "ls", "torsh", "--run-id", run_id, "--format", "json"],
+                capture_output=True, text=True, env=env, cwd=self.run_dir, check=False,
+            )  # fmt: skip
+            try:
+                runs = json.loads(out.stdout).get("runs", [])
+                status = str(runs[0]["status"]) if runs else status
+            except (ValueError, KeyError, IndexError):
+                pass
+            if status.startswith("finished"):
+                return status
+            time.sleep(1.0)
+        raise TimeoutError(f"the federated run {run_id} did not end in time (status {status or 'unknown'})")
 
     def stop(self) -> None:
         """Stop every process started (SIGTERM, then SIGKILL after 5 s), close the logs."""
@@ -350,6 +404,7 @@ class Federation:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        _kill_apps(self._ports)
         self.procs.clear()
         for log in self._logs:
             log.close()

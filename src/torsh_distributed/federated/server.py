@@ -346,7 +346,7 @@ class RoundLoop:
         if not failed:
             new_arrays, _ = self.strategy.aggregate_train(server_round, self.hooks.prepare(ok, arrays))
             if new_arrays is not None:
-                arrays = new_arrays
+                arrays = _same_dtypes(new_arrays, arrays)
             else:
                 failed = True
         weight = sum(c["examples"] for c in clients)
@@ -373,6 +373,18 @@ class RoundLoop:
         self.log(_round_line(cfg, record))
         self.hooks.on_round(record)
         return arrays, record
+
+
+def _same_dtypes(new: Any, old: Any) -> Any:
+    """``new`` with ``old``'s dtypes: Flower's FedAdam/FedYogi/FedAdagrad step in float64 NumPy,
+    which would double the bytes of every later round and change the model's dtype."""
+    from flwr.app import ArrayRecord
+
+    reference = old.to_torch_state_dict()
+    state = new.to_torch_state_dict()
+    if all(state[k].dtype == v.dtype for k, v in reference.items() if k in state):
+        return new
+    return ArrayRecord({k: v.to(reference[k].dtype) if k in reference else v for k, v in state.items()})
 
 
 def _link(msg: Any, turnaround: dict[int, float], methods: dict[int, str]) -> dict[str, Any]:

@@ -43,7 +43,10 @@ def test_the_world_size_follows_the_series_and_the_loss_is_the_uninterrupted_run
     ref = json.loads((tmp_path / "ref.json").read_text())
     startup = ref["first_step_unix_s"] - launched
     start = round(time.time(), 3) - 1.0
-    clean_from = math.ceil(startup + 3.0)  # the first clean slot (1 s slots from `start`)
+    # the first clean slot (1 s slots from `start`): 3 s into the run, but never later than a third
+    # of the reference's training time, so that a scaled run that starts faster than the
+    # reference (a loaded machine) cannot finish all its steps before the series turns clean
+    clean_from = math.ceil(startup + min(3.0, ref["wall_time_s"] / 3))
     values = [DIRTY if i < clean_from else CLEAN for i in range(clean_from + 60)]
     (tmp_path / "s.csv").write_text(
         "timestamp,gCO2/kWh\n" + "".join(f"{start + i:.3f},{v}\n" for i, v in enumerate(values))

@@ -20,3 +20,20 @@ def dataset() -> TensorDataset:
     data = TensorDataset(x, y)
     data.targets = y  # type: ignore[attr-defined]
     return data
+
+
+def centralized_sgd_step(lr: float) -> dict[str, torch.Tensor]:
+    """The reference of the FedAvg parity tests: the federated run's initial global model
+    (``Task.model()``: the default seed) after one plain SGD step on the whole toy set, the union
+    of equal IID clients' single batches."""
+    from torsh_distributed.federated.config import FederatedConfig, TaskConfig
+    from torsh_distributed.federated.task import Task
+
+    task = TaskConfig(model=f"{__file__}:make_model", dataset=f"{__file__}:dataset")
+    model = Task(FederatedConfig(partition="iid", clients=2, task=task)).model()
+    x, y = dataset().tensors
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from netlab import NetLab, available  # noqa: E402
 
-from torsh_distributed.federated.config import FederatedConfig, TaskConfig  # noqa: E402
-from torsh_distributed.federated.task import Task  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _federated_toy import centralized_sgd_step  # noqa: E402
 
 REASON = available()
 pytestmark = [
@@ -63,13 +64,5 @@ def test_clients_on_other_hosts_join_with_the_token(tmp_path: Path) -> None:
     # FedAvg of the 2 equal IID clients, one local step of plain SGD each, equals one step of
     # centralized SGD on the union of their batches (the whole toy set), to 1e-5
     got = torch.load(tmp_path / "run" / "server" / "round_00001" / "model.pt", weights_only=True)
-    config = FederatedConfig(partition="iid", clients=2, task=TaskConfig(model=f"{TOY}:make_model", dataset=f"{TOY}:dataset"))
-    task = Task(config)
-    model = task.model()  # the server's initial global model (same seed)
-    x, y = task._factories._dataset(config.task.dataset, "dataset").tensors
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.5 * p.grad
-    for name, tensor in model.state_dict().items():
+    for name, tensor in centralized_sgd_step(0.5).items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5)

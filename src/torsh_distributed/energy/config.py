@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from torsh_distributed.energy.estimate import DEFAULT_WATTS_PER_CORE
 from torsh_distributed.energy.meters import METERS
+from torsh_distributed.energy.power import parse_power_limit
 
 if TYPE_CHECKING:
     from torsh_distributed.energy.carbon import Intensity
@@ -35,6 +36,20 @@ class EnergyConfig:
     CodeCarbon's fallback per thread (docs/energy.md)."""
     powercap_root: str = field(default="/sys/class/powercap", metadata={"flags": []})
     """Where RAPL's powercap tree is (another path when sysfs is mounted elsewhere)."""
+    power_limit: str = field(default="off", metadata={"flags": []})
+    """GPU power limit of every CUDA rank through NVML: ``off`` (the GPU's own), a limit in
+    watts (``300``), or ``search``: Zeus-style profiling of the job's first steps at each limit,
+    then the limit with the least cost (--energy.power-tradeoff); the old limit is restored at
+    the end. Needs the NVML meter and, on most hosts, administrator rights (refused: reported,
+    nothing changed)."""
+    power_tradeoff: float = field(default=0.5, metadata={"flags": []})
+    """The search's weight of energy against time, in [0, 1]: cost = eta J/step + (1 - eta)
+    max-power s/step (1: energy only, 0: time only; Zeus's default 0.5)."""
+    power_steps: int = field(default=10, metadata={"flags": []})
+    """Steps measured at each limit of the search (after 2 warm-up steps per limit)."""
+    power_stride_w: float = field(default=50.0, metadata={"flags": []})
+    """Watts between two limits of the search (from the GPU's largest down to its smallest):
+    smaller finds a better limit, with more search steps."""
 
     def __post_init__(self) -> None:
         if self.meter not in METERS:
@@ -43,6 +58,18 @@ class EnergyConfig:
             raise ValueError(f"energy.interval must be > 0 seconds, got {self.interval}")
         if not (math.isfinite(self.watts_per_core) and self.watts_per_core > 0):
             raise ValueError(f"energy.watts_per_core must be > 0 W, got {self.watts_per_core}")
+        limit = parse_power_limit(self.power_limit)
+        if limit is not None and self.meter not in ("auto", "nvml"):
+            raise ValueError(
+                f"energy.power_limit {self.power_limit!r} sets GPU limits through NVML: use "
+                f"--energy.meter nvml or auto, not {self.meter!r}"
+            )
+        if not (math.isfinite(self.power_tradeoff) and 0 <= self.power_tradeoff <= 1):
+            raise ValueError(f"energy.power_tradeoff must be in [0, 1], got {self.power_tradeoff}")
+        if self.power_steps < 1:
+            raise ValueError(f"energy.power_steps must be >= 1, got {self.power_steps}")
+        if not (math.isfinite(self.power_stride_w) and self.power_stride_w > 0):
+            raise ValueError(f"energy.power_stride_w must be > 0 W, got {self.power_stride_w}")
 
     @property
     def active(self) -> bool:

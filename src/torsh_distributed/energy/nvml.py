@@ -50,23 +50,24 @@ class NvmlMeter:
     def __init__(self, index: int = 0, *, nvml: Any = None) -> None:
         if nvml is None:
             nvml = _load_pynvml()
-        self._nvml = nvml
+        self.nvml = nvml
+        """The ``pynvml`` module in use (the power-limit control shares it)."""
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         target: int | str = index
         if visible and index < len(visible):
             target = int(visible[index]) if visible[index].isdigit() else visible[index]
         try:
             if isinstance(target, str):
-                self._handle = nvml.nvmlDeviceGetHandleByUUID(target)
+                self.handle = nvml.nvmlDeviceGetHandleByUUID(target)
             else:
-                self._handle = nvml.nvmlDeviceGetHandleByIndex(target)
-            self._start_mj = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+                self.handle = nvml.nvmlDeviceGetHandleByIndex(target)
+            self._start_mj = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
         except Exception as exc:  # NVMLError_NotSupported on pre-Volta GPUs, invalid index
             raise MeterUnavailableError(f"NVML energy counter of GPU {target}: {exc}") from None
         uuid = ""
         if hasattr(nvml, "nvmlDeviceGetUUID"):
             try:
-                uuid = str(nvml.nvmlDeviceGetUUID(self._handle))
+                uuid = str(nvml.nvmlDeviceGetUUID(self.handle))
             except Exception:
                 uuid = ""
         self.scope_key = uuid or f"{socket.gethostname()}:gpu{index}"
@@ -74,5 +75,5 @@ class NvmlMeter:
 
     def read(self) -> float:
         """Joules of this GPU since the meter opened (the counter is 64-bit: no wrap in practice)."""
-        now = int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+        now = int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
         return (now - self._start_mj) * 1e-3

@@ -28,6 +28,7 @@ from torsh_distributed.energy.auto import open_meter
 from torsh_distributed.energy.carbon import Intensity, grams_of_trace
 from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
 from torsh_distributed.energy.meters import EnergyMeter, MeterUnavailableError
+from torsh_distributed.energy.power import PowerLimit, parse_power_limit
 
 __all__ = ["METRICS", "EnergyTracker", "all_gather_rows", "combine"]
 
@@ -110,12 +111,18 @@ class EnergyTracker:
             self.why = "given"
         self.meter = meter
         self._next = -math.inf
+        self.power = _power_limit(energy, meter, rank=rank, device=device)
+
+    def _start_power(self) -> None:
+        if self.power is not None:
+            self.power.start()  # collective: every rank sets its first limit, or none does
 
     def start(self) -> None:
         """The first reading (call just before the first step); on rank 0, a warning when the
         intensity series does not reach the present (its edge value would hold)."""
         if not self.on:
             return
+        self._start_power()
         now = self._clock()
         self._sample(now)
         ends = getattr(self.intensity, "ends", None)
@@ -150,6 +157,8 @@ class EnergyTracker:
         if not self.on:
             return
         self.steps += 1
+        if self.power is not None and self.power.active:
+            self.power.step_end()  # the search's windows (collective at its end)
         if time.monotonic() >= self._next:
             self._sample(self._clock())
         if self._log is not None:
@@ -181,7 +190,12 @@ class EnergyTracker:
             self._sample(self._clock())
         joules, seconds = self._j - self._j0, self._t - self._t0
         m = self.meter
+        power: dict[str, Any] = {}
+        if self.power is not None:
+            self.power.restore()
+            power = {"power_limit": self.power.report}
         return {
+            **power,
             "rank": self.rank,
             "meter": m.name,
             "source": m.source,
@@ -215,6 +229,30 @@ class EnergyTracker:
         return combine([r for r in rows if r], self.intensity)
 
 
+def _power_limit(energy: EnergyConfig, meter: EnergyMeter, *, rank: int, device: Any) -> PowerLimit | None:
+    """The rank's power-limit control (``--energy.power-limit``), or ``None`` when off."""
+    limit = parse_power_limit(energy.power_limit)
+    if limit is None:
+        return None
+    nvml, handle = getattr(meter, "nvml", None), getattr(meter, "handle", None)
+    if nvml is None or handle is None:
+        raise ValueError(
+            f"energy.power_limit {energy.power_limit!r} needs the NVML meter of a CUDA rank; rank {rank} "
+            f"meters with {meter.name} ({meter.detail})"
+        )
+
+    def sync() -> None:
+        import torch
+
+        if getattr(device, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(device)
+
+    return PowerLimit(
+        nvml, handle, meter.read, limit_w=limit, tradeoff=energy.power_tradeoff, steps=energy.power_steps,
+        stride_w=energy.power_stride_w, clock=time.monotonic, sync=sync,
+    )
+
+
 def all_gather_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's ``row`` on the default process group (``[row]`` without one)."""
     import torch.distributed as dist
@@ -245,6 +283,7 @@ def combine(rows: list[dict[str, Any]], intensity: Intensity) -> tuple[dict[str,
     tokens = sum(r["tokens"] for r in rows)
     seconds = max(r["seconds"] for r in rows)
     meters = sorted({r["meter"] for r in counted})
+    power = rows[0].get("power_limit")  # one decision for every rank
     energy: dict[str, Any] = {
         "joules": joules,
         "joules_per_step": joules / steps if steps else 0.0,
@@ -258,8 +297,10 @@ def combine(rows: list[dict[str, Any]], intensity: Intensity) -> tuple[dict[str,
         "counters": len(seen),
         "steps": steps,
         "seconds": seconds,
-        "ranks": [{k: v for k, v in r.items() if k not in ("why", "detail")} for r in rows],
+        "ranks": [{k: v for k, v in r.items() if k not in ("why", "detail", "power_limit")} for r in rows],
     }
+    if power is not None:
+        energy["power_limit"] = power
     names = sorted({n for r in seen.values() for n in r.get("phases", {})})
     if names:  # the counted rows' phases; the rest of the run is training
         phases = {n: sum(r.get("phases", {}).get(n, {}).get("joules", 0.0) for r in seen.values()) for n in names}

@@ -236,3 +236,10 @@ def test_the_tracker_runs_the_search_and_reports_it(monkeypatch: pytest.MonkeyPa
     assert [c["limit_w"] for c in block["candidates"]] == [400, 250, 100]
     assert "power_limit" not in energy["ranks"][0]
     assert gpu.limit_mw == 400_000, "restored at the end of the run"
+    from torsh_distributed.energy.report import format_report
+
+    text = format_report({"energy": energy, "carbon": {}})
+    assert f"power:   GPU limit {block['limit_w']:.4g} W (search; was 400 W)" in text
+    assert text.count("<- chosen") == 1
+    refused = dict(block, applied=False, why="NVML refused to set the power limit: rank 0: X")
+    assert "limit unchanged (NVML refused" in format_report({"energy": {**energy, "power_limit": refused}})

@@ -85,6 +85,7 @@ def format_report(data: dict[str, Any], *, path: str | Path = "") -> str:
                 "intensity series (its edge values were used)"
             )
     lines.extend(_decisions(carbon))
+    lines.extend(_power_lines(energy.get("power_limit")))
     if energy.get("excluded"):
         ex = energy["excluded"]
         lines.append(f"  excluded: ranks {ex['ranks']} ({_num(ex['estimated_joules'])} J estimated): {ex['why']}")
@@ -105,6 +106,27 @@ def format_report(data: dict[str, Any], *, path: str | Path = "") -> str:
     if any(r["scope"] == "host" for r in energy.get("ranks", [])):
         lines.append("(host-scoped counters are shared by the ranks of a host: the job counts each once)")
     return "\n".join(lines)
+
+
+def _power_lines(power: dict[str, Any] | None) -> list[str]:
+    """The GPU power-limit decision (``--energy.power-limit``) and, for a search, its table."""
+    if not power:
+        return []
+    if not power.get("applied"):
+        return [f"  power:   limit unchanged ({power.get('why', '')})"]
+    line = f"  power:   GPU limit {_num(power['limit_w'])} W ({power['mode']}; was {_num(power.get('original_w'))} W)"
+    if power["mode"] != "search":
+        return [line]
+    lines = [
+        line + f": {_num(100 * power['energy_saved'], '.1f')} % less energy per step, "
+        f"{_num(100 * power['time_added'], '.1f')} % more time than at {_num(power['candidates'][0]['limit_w'])} W "
+        f"(eta {power['tradeoff']:g}, {power['steps_per_limit']} steps per limit)",
+        "    " + "  ".join(h.rjust(9) for h in ("limit W", "J/step", "s/step", "cost")),
+    ]
+    for c in power["candidates"]:
+        cells = (_num(c["limit_w"]), _num(c["joules_per_step"]), _num(c["seconds_per_step"]), _num(c["cost"]))
+        lines.append("    " + "  ".join(v.rjust(9) for v in cells) + ("  <- chosen" if c["limit_w"] == power["limit_w"] else ""))
+    return lines
 
 
 def _decisions(carbon: dict[str, Any]) -> list[str]:

@@ -109,17 +109,36 @@ def test_bad_settings_are_refused_when_the_config_is_built(tmp_path: Path):
         CarbonConfig(max_intensity=300, intensity=200)
     with pytest.raises(ValueError, match=r"carbon.deadline '30m' bounds time shifting: give --carbon.max-intensity"):
         CarbonConfig(series=current, deadline="30m")
-    with pytest.raises(ValueError, match=r"old.csv .* ends at .* before now"):
-        CarbonConfig(series=ended, max_intensity=300)
     CarbonConfig(series=ended)  # without time shifting an old series only prices the energy
-    with pytest.raises(ValueError, match=r"carbon.deadline .* is already past"):
-        CarbonConfig(series=current, max_intensity=300, deadline="2020-01-01T00:00:00Z")
     with pytest.raises(ValueError, match=r"neither an ISO 8601 time"):
         CarbonConfig(series=current, max_intensity=300, deadline="tomorrow")
     with pytest.raises(ValueError, match=r"carbon.max_intensity must be >= 0"):
         CarbonConfig(series=current, max_intensity=-1)
     config = CarbonConfig(series=current, max_intensity=300, deadline="10m")
     assert config.shift_policy(start=now).deadline == pytest.approx(now + 600)
+
+
+def test_an_ended_series_or_past_deadline_stops_a_new_run_but_not_a_resumed_one(tmp_path: Path):
+    now = time.time()
+    current = _write(tmp_path / "now.csv", (100, 400, 100), start=now - 1, slot=60)
+    ended = _write(tmp_path / "old.csv", (100, 400), start=now - 100, slot=10)
+    cases = (
+        (CarbonConfig(series=ended, max_intensity=300), r"old.csv .* ends at .* before now"),
+        (CarbonConfig(series=current, max_intensity=300, deadline="2020-01-01T00:00:00Z"),
+         r"carbon.deadline .* is already past"),
+    )
+    for config, match in cases:
+        with pytest.raises(ValueError, match=match):  # a new run: before its first step
+            TimeShift(lambda start, c=config: c.shift_policy(start=start), main=True, start_step=0,
+                      max_steps=10, broadcast=lambda v: v)
+        lines: list[str] = []
+        # a restarted attempt resuming at step 4 (a checkpoint after the series ended): runs on
+        shift = TimeShift(lambda start, c=config: c.shift_policy(start=start), main=True, start_step=4,
+                          max_steps=10, broadcast=lambda v: v, write=lines.append)
+        assert any("nothing left to do on this resumed run" in line for line in lines), lines
+        for step in range(5, 11):
+            shift.step_end(step, save=lambda: pytest.fail("no checkpoint: nothing to pause for"))
+        assert shift.pauses == []
 
 
 class _Clock:
@@ -204,3 +223,15 @@ def test_a_follower_rank_pauses_as_rank_0_says():
     # its own clock's start and seconds (rank 0's clock decided the length)
     assert summary["pauses"] == [{"step": 5, "start": pytest.approx(T0 + 0.5), "seconds": pytest.approx(1.5), "intensity": 412.0}]
     assert summary["deadline_unix_s"] == T0 + 60 and summary["max_intensity_g_per_kwh"] == 300
+
+
+def test_the_cli_refuses_an_ended_series_in_one_line_before_any_rank_starts(tmp_path: Path, capfd):
+    from torsh_distributed.cli.main import main
+
+    ended = _write(tmp_path / "old.csv", (100, 400), start=time.time() - 100, slot=10)
+    assert main(["train", "--preset", "tiny", "--progress", "false", "--nproc-per-node", "2",
+                 "--carbon.series", ended, "--carbon.max-intensity", "300",
+                 "--checkpoint.dir", str(tmp_path / "ckpt")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "old.csv" in err[0] and "before now" in err[0], err
+    assert not (tmp_path / "ckpt").exists()

@@ -457,6 +457,8 @@ def _handle(args: argparse.Namespace) -> int:
     inside_launch = world is not None
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
+    if config.carbon.max_intensity and not inside_launch:
+        config.carbon.shift_policy().check(time.time())  # a series or deadline already past
     if world is not None:
         _check_world(config, world.world_size, user)
     if not inside_launch and config.energy.meter in ("rapl", "nvml") and options.nnodes in ("1", "1:1"):

@@ -135,7 +135,9 @@ class CarbonConfig:
             )
         intensity = self.resolve()  # a bad series or region fails here, before any rank starts
         if self.max_intensity:
-            self.shift_policy(intensity).check(time.time())
+            # parses the deadline; whether the series and the deadline still lie ahead is checked
+            # when a run starts (a resumed run after them runs on: see TimeShift)
+            self.shift_policy(intensity)
 
     def shift_policy(self, intensity: Intensity | None = None, *, start: float | None = None) -> ShiftPolicy:
         """The time-shifting policy of these settings (a duration deadline counts from

@@ -237,7 +237,14 @@ class TimeShift:
         if main:  # an error raised on one rank only would leave the others in the broadcast
             try:
                 self.policy = policy_of(self._t0)
-                self.policy.check(self._t0)
+                try:
+                    self.policy.check(self._t0)
+                except ValueError as exc:
+                    if start_step == 0:
+                        raise
+                    # a resumed attempt (a restart, a later segment): refusing would lose the
+                    # work; past the series' end or the deadline, decide() never pauses
+                    self.write(f"carbon: time shifting has nothing left to do on this resumed run ({exc})")
                 deadline = self.policy.deadline
                 message = [0.0, math.nan if deadline is None else deadline, self.policy.max_intensity]
             except ValueError as exc:

@@ -52,7 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "gloo+shm")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -63,7 +63,7 @@ class Runtime:
     info: WorldInfo
     """Layout of the job."""
     backend: str
-    """The resolved backend, ``"gloo"`` or ``"nccl"``."""
+    """The resolved backend, ``"gloo"``, ``"nccl"`` or ``"gloo+shm"``."""
     device: torch.device
     """This rank's device (``cuda:<local_rank>`` under NCCL, else ``cpu``)."""
     timeout: timedelta
@@ -127,6 +127,11 @@ def resolve_backend(backend: str, *, local_world_size: int = 1) -> str:
             )
         if not dist.is_nccl_available():
             raise ValueError("backend 'nccl' is not built into this torch; use 'gloo'")
+    if name == "gloo+shm":
+        # Not chosen by "auto" yet: see docs/shm.md for the measurements that would decide it.
+        from torsh_distributed.runtime.shm import register
+
+        register()
     return name
 
 
@@ -176,7 +181,8 @@ def init(
 
     Args:
         backend: ``"auto"`` (NCCL when CUDA has a device for each local rank, else Gloo),
-            ``"gloo"`` or ``"nccl"``.
+            ``"gloo"``, ``"nccl"`` or ``"gloo+shm"`` (shared-memory collectives inside a node,
+            Gloo between nodes and for everything else; see docs/shm.md).
         rank: This process's global rank. Give it with ``world_size`` to ignore the
             environment; leave both ``None`` to read torchrun / SLURM / Open MPI variables.
         world_size: Number of processes. A world of one needs no rendezvous at all.
@@ -241,7 +247,8 @@ def init(
         rdzv = rendezvous(info, env, timeout=timeout)
         info = replace(info, master_addr=rdzv.master_addr, master_port=rdzv.master_port)
         kwargs["store"] = rdzv.store
-        if resolved == "gloo" and rdzv.gloo_ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+        gloo = resolved in ("gloo", "gloo+shm")
+        if gloo and rdzv.gloo_ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = rdzv.gloo_ifname
     else:
         if info.master_addr is None:

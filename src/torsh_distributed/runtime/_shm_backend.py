@@ -1,0 +1,322 @@
+"""The ``gloo+shm`` process group: shared memory inside a node, Gloo between nodes.
+
+A Python :class:`torch.distributed.ProcessGroup` (torch calls its methods for ``dist.all_reduce``
+and friends, and DDP's reducer calls them from C++). It owns a Gloo group over all its ranks,
+registered as its CPU backend, for every operation it does not take itself (point-to-point,
+all-to-all, gather/scatter, reduce, unusual dtypes or layouts) and for torch's internal C++
+helpers, so everything torch can do on Gloo keeps working.
+
+Ranks are grouped into nodes by ``TORSH_NODE_ASSIGNMENT`` (simulated hosts) or by what makes
+shared memory shared: boot id, network namespace and the ``/dev/shm`` file system. On one node
+every supported collective goes through the node's :class:`ShmTransport`. On several nodes
+all-reduce, broadcast and barrier are hierarchical (shm reduce inside each node, Gloo between
+the node leaders, shm broadcast inside); all-gather and reduce-scatter go to Gloo. Operations
+run synchronously in the calling thread and return completed work objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroup
+from torch.futures import Future
+
+from torsh_distributed.runtime._shm_segment import Segment, cleanup_stale_segments, new_name
+from torsh_distributed.runtime._shm_sync import load_flags
+from torsh_distributed.runtime._shm_transport import ShmTransport, segment_bytes, supports
+from torsh_distributed.runtime.errors import DistributedTimeoutError, FeatureNotAvailableError
+
+__all__ = ["BACKEND_NAME", "ShmProcessGroup", "create", "node_key"]
+
+BACKEND_NAME = "gloo+shm"
+DEFAULT_SLOT_BYTES = 4 << 20
+log = logging.getLogger(__name__)
+
+_RED = dist.ReduceOp.RedOpType
+_OPS = {
+    _RED.SUM: "sum",
+    _RED.AVG: "avg",
+    _RED.PRODUCT: "product",
+    _RED.MIN: "min",
+    _RED.MAX: "max",
+}
+
+
+def _op_name(opts: Any) -> str | None:
+    red = opts.reduceOp
+    return _OPS.get(getattr(red, "op", red))
+
+
+def node_key(global_rank: int) -> str:
+    """What must match for two ranks to share memory (or the simulated host's id)."""
+    assignment = os.environ.get("TORSH_NODE_ASSIGNMENT")
+    if assignment:
+        nodes = [x.strip() for x in assignment.split(",")]
+        if global_rank < len(nodes):
+            return f"assigned:{nodes[global_rank]}"
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    parts = [boot.read_text().strip() if boot.exists() else os.uname().nodename]
+    for probe in ("/proc/self/ns/net", "/dev/shm"):
+        try:
+            st = os.stat(probe)
+            parts.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            parts.append("-")
+    return "|".join(parts)
+
+
+class _DoneWork(dist._Work):
+    """A finished operation (shm collectives complete before they return)."""
+
+    def __init__(self, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._future: Future = Future()
+        self._future.set_result(result)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+def _wait_count(store: dist.Store, key: str, want: int, timeout_s: float, rank: int) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < want:
+        if time.monotonic() >= deadline:
+            raise DistributedTimeoutError(
+                f"only {store.add(key, 0)} of {want} ranks of the node attached the shared-memory "
+                f"segment within {timeout_s:g} s",
+                rank=rank,
+                operation="gloo+shm init",
+                fix="check that every rank of the node started.",
+            )
+        time.sleep(0.002)
+
+
+class ShmProcessGroup(ProcessGroup):
+    """See the module docstring. Built by :func:`create` (torch's backend hook)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        global_ranks: Sequence[int],
+        *,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+    ) -> None:
+        super().__init__(rank, size)
+        self._timeout_s = timeout.total_seconds()
+        self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo", store), rank, size, timeout)
+        self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, self._gloo)
+        shm_store = PrefixStore("shm", store)
+        shm_store.set(f"node/{rank}", node_key(global_ranks[rank]))
+        keys = [shm_store.get(f"node/{r}").decode() for r in range(size)]
+        nodes: dict[str, list[int]] = {}
+        for r, key in enumerate(keys):
+            nodes.setdefault(key, []).append(r)
+        groups = list(nodes.values())  # ordered by their first rank
+        self._local = nodes[keys[rank]]
+        self._local_rank = self._local.index(rank)
+        self._leaders = [g[0] for g in groups]
+        self._node_index = self._leaders.index(self._local[0])
+        self._node_of = {r: i for i, g in enumerate(groups) for r in g}
+        self.num_nodes = len(groups)
+        self._transport = self._attach(shm_store, slot_bytes, global_ranks)
+        self._leader_pg: dist.ProcessGroup | None = None
+        if self.num_nodes > 1 and self._local_rank == 0:
+            self._leader_pg = dist.ProcessGroupGloo(
+                PrefixStore("leaders", store), self._node_index, self.num_nodes, timeout
+            )
+        log.debug(
+            "gloo+shm rank %d: node %d of %d, %d local ranks",
+            rank,
+            self._node_index,
+            self.num_nodes,
+            len(self._local),
+        )
+
+    def _attach(
+        self, store: dist.Store, slot_bytes: int, global_ranks: Sequence[int]
+    ) -> ShmTransport:
+        lib = load_flags()
+        num = len(self._local)
+        size = segment_bytes(num, slot_bytes)
+        leader = self._local[0]
+        key = f"segment/{leader}"
+        if self._local_rank == 0:
+            cleanup_stale_segments()
+            try:
+                segment = Segment.create(new_name(), size=size, num_ranks=num)
+            except OSError as exc:
+                raise FeatureNotAvailableError(
+                    f"cannot create a {size} B shared-memory segment in /dev/shm: {exc}",
+                    rank=self.rank(),
+                    operation="gloo+shm init",
+                    fix="mount /dev/shm with enough space (docker: --shm-size), or use 'gloo'.",
+                ) from exc
+            store.set(key, segment.name)
+        else:
+            segment = Segment.attach(store.get(key).decode(), size=size, num_ranks=num)
+        segment.set_pid(self._local_rank, os.getpid())
+        store.add(f"{key}/attached", 1)
+        if self._local_rank == 0:
+            try:
+                _wait_count(store, f"{key}/attached", num, self._timeout_s, self.rank())
+            finally:
+                segment.unlink()  # from here on no exit path can leave it in /dev/shm
+        return ShmTransport(
+            segment,
+            local_rank=self._local_rank,
+            global_ranks=[global_ranks[r] for r in self._local],
+            slot_bytes=slot_bytes,
+            timeout_s=self._timeout_s,
+            lib=lib,
+        )
+
+    # -- torch's ProcessGroup interface ------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    @property
+    def single_node(self) -> bool:
+        return self.num_nodes == 1
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        op = _op_name(opts)
+        if len(tensors) != 1 or op is None or not supports(tensors[0], op):
+            return self._gloo.allreduce(tensors, opts)
+        tensor = tensors[0]
+        if self.single_node:
+            self._transport.all_reduce(tensor, op)
+            return _DoneWork(tensors)
+        local_op = "sum" if op == "avg" else op
+        self._transport.all_reduce(tensor, local_op)
+        if self._leader_pg is not None:
+            outer = dist.AllreduceOptions()
+            outer.reduceOp = getattr(dist.ReduceOp, local_op.upper())
+            self._leader_pg.allreduce([tensor], outer).wait()
+            if op == "avg":
+                tensor.div_(self.size())
+        self._transport.broadcast(tensor, 0)
+        return _DoneWork(tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        if len(tensors) != 1 or not supports(tensors[0]):
+            return self._gloo.broadcast(tensors, opts)
+        tensor, root = tensors[0], opts.rootRank
+        root_node = self._node_of[root]
+        if root_node == self._node_index:
+            self._transport.broadcast(tensor, self._local.index(root))
+        if self._leader_pg is not None:
+            outer = dist.BroadcastOptions()
+            outer.rootRank = root_node
+            self._leader_pg.broadcast([tensor], outer).wait()
+        if root_node != self._node_index:
+            self._transport.broadcast(tensor, 0)
+        return _DoneWork(tensors)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        self._transport.barrier()
+        if self._leader_pg is not None:
+            self._leader_pg.barrier().wait()
+        if not self.single_node:
+            self._transport.barrier()
+        return _DoneWork([])
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        if (
+            not self.single_node
+            or not (supports(input) and supports(output))
+            or output.numel() != input.numel() * self.size()
+            or output.dtype != input.dtype
+        ):
+            return self._gloo._allgather_base(output, input, opts)
+        self._transport.all_gather(output, input)
+        return _DoneWork([output])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        return self._allgather_base(output, input, opts)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> dist.Work:
+        if not self.single_node or len(inputs) != 1 or not supports(inputs[0]):
+            return self._gloo.allgather(outputs, inputs, opts)
+        if any(o.shape != inputs[0].shape or o.dtype != inputs[0].dtype for o in outputs[0]):
+            return self._gloo.allgather(outputs, inputs, opts)
+        flat = torch.empty((self.size(), inputs[0].numel()), dtype=inputs[0].dtype)
+        self._transport.all_gather(flat, inputs[0])
+        for j, out in enumerate(outputs[0]):
+            out.view(-1).copy_(flat[j])
+        return _DoneWork(outputs[0])
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any
+    ) -> dist.Work:
+        op = _op_name(opts)
+        if (
+            not self.single_node
+            or op is None
+            or not (supports(input, op) and supports(output, op))
+            or input.numel() != output.numel() * self.size()
+            or output.dtype != input.dtype
+        ):
+            return self._gloo._reduce_scatter_base(output, input, opts)
+        self._transport.reduce_scatter(output, input, op)
+        return _DoneWork([output])
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any
+    ) -> dist.Work:
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> dist.Work:
+        op = _op_name(opts)
+        out = outputs[0] if len(outputs) == 1 else None
+        if (
+            out is None
+            or not self.single_node
+            or op is None
+            or not supports(out, op)
+            or any(t.shape != out.shape or t.dtype != out.dtype for t in inputs[0])
+        ):
+            return self._gloo.reduce_scatter(outputs, inputs, opts)
+        stacked = torch.stack([t.reshape(-1) for t in inputs[0]])
+        self._transport.reduce_scatter(out, stacked, op)
+        return _DoneWork(outputs)
+
+    def shutdown(self) -> None:
+        self._transport.close()
+
+
+def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
+    """torch's creator hook (``register_backend(..., extended_api=True)``)."""
+    slot = int(os.environ.get("TORSH_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    if slot < 4096 or slot % 4096:
+        raise ValueError(f"TORSH_SHM_SLOT_BYTES must be a multiple of 4096, got {slot}")
+    ranks = list(backend_opts.global_ranks_in_group) or list(range(backend_opts.group_size))
+    return ShmProcessGroup(
+        backend_opts.store,
+        backend_opts.group_rank,
+        backend_opts.group_size,
+        backend_opts.timeout,
+        ranks,
+        slot_bytes=slot,
+    )

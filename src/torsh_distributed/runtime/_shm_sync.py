@@ -1,0 +1,183 @@
+"""Cross-process flags for the shared-memory transport: release stores and acquire waits.
+
+A rank publishes "my data for phase ``k`` is in my slot" by storing ``k`` into its own 64-byte
+flag; peers wait until every flag reaches ``k`` before reading. Correctness needs the data stores
+to be visible before the flag store (release) and the flag load to happen before the data loads
+(acquire). Python cannot say that, so a 40-line C helper does: a full fence then a release store
+(the fence also orders the non-temporal stores a large ``memcpy`` may use), and an acquire load
+in the wait loop. It is compiled with the system C compiler on first use (about 0.1 s, cached
+under ``$TORSH_CACHE_DIR`` or ``~/.cache/torsh_distributed``) and called through ``ctypes``, which
+releases the GIL while a rank waits. Without a compiler, x86-64 falls back to plain loads and
+stores from Python (its memory model is TSO: stores are not reordered with stores nor loads with
+loads, and a Python-level call boundary stops the compiler reordering); other architectures
+then refuse the backend.
+
+Waiting spins briefly, then yields the core, then sleeps 50 us at a time: ranks often outnumber
+cores on a shared CPU host, and a spinning waiter would steal the cycles of the rank it waits for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from torsh_distributed.runtime.errors import FeatureNotAvailableError
+
+__all__ = ["FLAG_BYTES", "Flags", "load_flags"]
+
+FLAG_BYTES = 64  # one cache line per rank: no false sharing between writers
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <sched.h>
+#include <time.h>
+
+void torsh_store(int64_t *p, int64_t v) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+
+int64_t torsh_load(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* Wait until base[i * stride] >= target for every i < n, for at most budget_ns.
+   Returns -1 when all arrived, else the first index that has not. */
+int torsh_wait_all(int64_t *base, int stride, int n, int64_t target, int64_t budget_ns) {
+    struct timespec t0, now, nap = {0, 50000};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int first = 0;
+    for (uint64_t spin = 0;; spin++) {
+        while (first < n && __atomic_load_n(base + (int64_t)first * stride, __ATOMIC_ACQUIRE) >= target)
+            first++;
+        if (first == n) return -1;
+        if (spin < 64) continue;
+        if (spin < 512) { sched_yield(); continue; }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        int64_t spent = (now.tv_sec - t0.tv_sec) * 1000000000LL + (now.tv_nsec - t0.tv_nsec);
+        if (spent >= budget_ns) return first;
+        nanosleep(&nap, 0);
+    }
+}
+"""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TORSH_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torsh_distributed"
+    )
+    return Path(root)
+
+
+def _compile() -> Path | None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    digest = hashlib.sha256((_SOURCE + platform.machine()).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"shm_sync-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "shm_sync.c"
+        src.write_text(_SOURCE)
+        out = Path(tmp) / "shm_sync.so"
+        done = subprocess.run(
+            [compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            return None
+        os.replace(out, target)  # atomic: ranks compiling at once all end with a whole file
+    return target
+
+
+class Flags:
+    """``n`` int64 flags, one per cache line, at ``address`` (inside a mapped segment)."""
+
+    def __init__(self, address: int, n: int, lib: ctypes.CDLL | None) -> None:
+        self._address = address
+        self._n = n
+        self._lib = lib
+        self._stride = FLAG_BYTES // 8
+        self._cells = [ctypes.c_int64.from_address(address + i * FLAG_BYTES) for i in range(n)]
+
+    def store(self, index: int, value: int) -> None:
+        """Publish ``value`` in flag ``index`` after every earlier store of this process."""
+        if self._lib is not None:
+            self._lib.torsh_store(self._address + index * FLAG_BYTES, value)
+        else:
+            self._cells[index].value = value
+
+    def load(self, index: int) -> int:
+        if self._lib is not None:
+            return int(self._lib.torsh_load(self._address + index * FLAG_BYTES))
+        return int(self._cells[index].value)
+
+    def wait_all(self, target: int, budget_s: float) -> int:
+        """Wait up to ``budget_s`` for every flag to reach ``target``; -1 or the first laggard."""
+        if self._lib is not None:
+            return int(
+                self._lib.torsh_wait_all(
+                    self._address, self._stride, self._n, target, int(budget_s * 1e9)
+                )
+            )
+        end = time.monotonic() + budget_s
+        spins = 0
+        while True:
+            lagging = next((i for i, c in enumerate(self._cells) if c.value < target), -1)
+            if lagging < 0 or time.monotonic() >= end:
+                return lagging
+            spins += 1
+            if spins < 256:
+                os.sched_yield()
+            else:
+                time.sleep(5e-5)
+
+
+_LIB: ctypes.CDLL | None = None
+_LOADED = False
+
+
+def load_flags() -> ctypes.CDLL | None:
+    """The compiled helper, or ``None`` for the x86-64 Python fallback.
+
+    Raises:
+        FeatureNotAvailableError: no C compiler and not x86-64 (no safe fallback).
+    """
+    global _LIB, _LOADED
+    if _LOADED:
+        return _LIB
+    path = None if os.environ.get("TORSH_SHM_NO_CC") == "1" else _compile()
+    if path is None:
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            raise FeatureNotAvailableError(
+                f"the shared-memory backend needs a C compiler on {platform.machine()} "
+                "(memory fences for cross-process flags)",
+                operation="shm init",
+                fix="install gcc (or set CC), or use backend='gloo'.",
+            )
+    else:
+        lib = ctypes.CDLL(str(path))
+        lib.torsh_store.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        lib.torsh_store.restype = None
+        lib.torsh_load.argtypes = [ctypes.c_void_p]
+        lib.torsh_load.restype = ctypes.c_int64
+        lib.torsh_wait_all.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+            ctypes.c_int64,
+        ]
+        lib.torsh_wait_all.restype = ctypes.c_int
+        _LIB = lib
+    _LOADED = True
+    return _LIB

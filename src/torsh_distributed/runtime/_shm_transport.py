@@ -1,0 +1,320 @@
+"""Collectives among the ranks of one node through one shared-memory segment.
+
+Layout: a 4 KiB header (magic, rank count, pids), one 64-byte flag per rank, then two slots
+(double buffering) of ``slot_bytes`` per rank. Every collective is a sequence of *phases*: a rank
+writes into its own slot, publishes the phase number in its flag (release), and waits until
+every flag reaches it (acquire). Large tensors go in chunks of a slot; chunk ``k`` uses slot
+parity ``k % 2`` (``k`` counts chunks over all collectives), so a fast rank copies chunk ``k + 1``
+in while a slow one still reads chunk ``k`` (a rank cannot write chunk ``k + 2`` before every rank
+has finished reading chunk ``k``: it would have to pass chunk ``k + 1``'s first phase, which every
+rank joins only after reading).
+
+All-reduce is reduce-scatter then all-gather over the slots: after the first phase rank ``r``
+reduces the ``r``-th part of the chunk across all slots, publishes it (second phase), and every
+rank copies the parts of the others. Reduction order (fixed, documented in docs/shm.md): a left
+fold over local ranks ``((x0 op x1) op x2) ...``; float16/bfloat16 accumulate in float32 and
+round once at the end; AVG divides the sum by the group size (after the float32 accumulation).
+Tensors up to ``small_bytes`` take one phase instead: every rank folds the whole tensor itself
+in the same order (same result, bit for bit, less waiting).
+
+Every wait has a deadline. A peer that does not arrive raises :class:`DistributedTimeoutError`
+naming its global rank and the operation; a peer whose process has exited raises it at once.
+After such an error the transport is broken (ranks are out of step) and refuses further calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from torsh_distributed.runtime._shm_segment import HEADER_BYTES, Segment, _alive
+from torsh_distributed.runtime._shm_sync import FLAG_BYTES, Flags
+from torsh_distributed.runtime.errors import CommunicationError, DistributedTimeoutError
+
+__all__ = ["REDUCE_OPS", "ShmTransport", "segment_bytes", "supports"]
+
+REDUCE_OPS = ("sum", "avg", "product", "min", "max")
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+)
+_ALIGN = 64  # bytes: parts start on cache lines
+_FOLD: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": torch.add,
+    "avg": torch.add,
+    "product": torch.mul,
+    "min": torch.minimum,
+    "max": torch.maximum,
+}
+
+
+def _layout(num_ranks: int) -> int:
+    flags = -(-num_ranks * FLAG_BYTES // 4096) * 4096
+    return HEADER_BYTES + flags
+
+
+def segment_bytes(num_ranks: int, slot_bytes: int) -> int:
+    """Size of the segment for ``num_ranks`` ranks with slots of ``slot_bytes``."""
+    return _layout(num_ranks) + 2 * num_ranks * slot_bytes
+
+
+def supports(tensor: torch.Tensor, op: str | None = None) -> bool:
+    """Whether the transport handles ``tensor`` (CPU, contiguous, a listed dtype) with ``op``."""
+    if tensor.device.type != "cpu" or tensor.dtype not in DTYPES or not tensor.is_contiguous():
+        return False
+    if op == "avg" and not tensor.dtype.is_floating_point:
+        return False
+    return op is None or op in REDUCE_OPS
+
+
+class ShmTransport:
+    """The shared-memory collectives of one node's group (``local_rank`` of ``num_ranks``).
+
+    Args:
+        segment: The mapped segment (see ``segment_bytes`` for its size).
+        local_rank: This rank's index in the node's group.
+        global_ranks: Global rank of each local rank (for error messages).
+        slot_bytes: Bytes per slot: the chunk size of the pipeline. Larger chunks mean fewer
+            phases (less synchronisation) but more memory and less overlap.
+        timeout_s: Deadline of every wait.
+        small_bytes: All-reduces up to this size take the one-phase path.
+        lib: The compiled flag helper (``None``: x86-64 Python fallback).
+    """
+
+    def __init__(
+        self,
+        segment: Segment,
+        *,
+        local_rank: int,
+        global_ranks: Sequence[int],
+        slot_bytes: int,
+        timeout_s: float,
+        small_bytes: int = 32 << 10,
+        lib: ctypes.CDLL | None = None,
+    ) -> None:
+        self.segment = segment
+        self.rank = local_rank
+        self.size = len(global_ranks)
+        self.global_ranks = list(global_ranks)
+        self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        self.small_bytes = small_bytes
+        self._seq = 0
+        self._chunks = 0
+        self._broken: str | None = None
+        base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm))
+        self._flags = Flags(base + HEADER_BYTES, self.size, lib)
+        raw = torch.frombuffer(segment.mm, dtype=torch.uint8)
+        start = _layout(self.size)
+        self._slots = [
+            [
+                raw[start + (2 * j + p) * slot_bytes : start + (2 * j + p + 1) * slot_bytes]
+                for p in range(2)
+            ]
+            for j in range(self.size)
+        ]
+
+    # -- synchronisation ---------------------------------------------------------------------
+
+    def _phase(self, op: str) -> None:
+        if self._broken:
+            raise CommunicationError(
+                f"the shared-memory transport is unusable after an earlier failure ({self._broken})",
+                rank=self.global_ranks[self.rank],
+                operation=op,
+                fix="destroy the process group and start again.",
+            )
+        self._seq += 1
+        self._flags.store(self.rank, self._seq)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            lagging = self._flags.wait_all(self._seq, max(min(left, 0.25), 0.0))
+            if lagging < 0:
+                return
+            pid = self.segment.pid(lagging)
+            dead = pid > 0 and not _alive(pid)
+            if dead or time.monotonic() >= deadline:
+                peer = self.global_ranks[lagging]
+                why = (
+                    f"its process (pid {pid}) has exited"
+                    if dead
+                    else f"it did not arrive within {self.timeout_s:g} s"
+                )
+                self._broken = f"rank {peer} missing in {op}"
+                raise DistributedTimeoutError(
+                    f"rank {peer} did not reach {op} over shared memory: {why}",
+                    rank=self.global_ranks[self.rank],
+                    operation=op,
+                    fix=f"look at rank {peer}'s log or stack; every rank must call the same "
+                    "collectives in the same order.",
+                )
+
+    def barrier(self) -> None:
+        self._phase("barrier")
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _next_parity(self) -> int:
+        # One counter over the chunks of every collective, the same on every rank: a slot is
+        # written again two chunks later, when every rank has passed the first phase of the
+        # chunk in between and so has finished reading it.
+        self._chunks += 1
+        return self._chunks % 2
+
+    def _slot(self, j: int, parity: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+        return self._slots[j][parity][: count * dtype.itemsize].view(dtype)
+
+    def _chunk_elems(self, dtype: torch.dtype, parts: int = 1) -> int:
+        per = self.slot_bytes // parts // dtype.itemsize
+        return max(per // (_ALIGN // dtype.itemsize) * (_ALIGN // dtype.itemsize), 1)
+
+    def _fold(
+        self, out: torch.Tensor, sources: Sequence[torch.Tensor], op: str, divide: int
+    ) -> None:
+        """``out = ((s0 op s1) op s2) ...`` (then / divide), in float32 for half types."""
+        fn = _FOLD[op]
+        half = out.dtype in (torch.float16, torch.bfloat16)
+        acc = sources[0].float() if half else None
+        if acc is None:
+            if len(sources) == 1:
+                out.copy_(sources[0])
+            else:
+                fn(sources[0], sources[1], out=out)
+            rest = sources[2:]
+            target = out
+        else:
+            rest = sources[1:]
+            target = acc
+        for src in rest:
+            fn(target, src, out=target)
+        if divide > 1:
+            target.div_(divide)
+        if acc is not None:
+            out.copy_(acc)
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, divide: int = 0) -> None:
+        """Reduce ``tensor`` (flat view of a contiguous tensor) across the node, in place.
+
+        ``divide``: divide the result by this (AVG; 0 means the group size for ``avg``).
+        """
+        flat = tensor.view(-1)
+        if op == "avg" and not divide:
+            divide = self.size
+        if self.size == 1:
+            if divide > 1:
+                self._fold(flat, [flat], op, divide)
+            return
+        if flat.numel() * flat.element_size() <= min(self.small_bytes, self.slot_bytes):
+            self._all_reduce_small(flat, op, divide)
+            return
+        n = flat.numel()
+        step = self._chunk_elems(flat.dtype)
+        name = f"all_reduce({op})"
+        for lo in range(0, n, step):
+            count = min(step, n - lo)
+            parity = self._next_parity()
+            chunk = flat[lo : lo + count]
+            self._slot(self.rank, parity, flat.dtype, count).copy_(chunk)
+            self._phase(name)
+            bounds = self._parts(count, flat.dtype)
+            a, b = bounds[self.rank], bounds[self.rank + 1]
+            if b > a:
+                sources = [self._slot(j, parity, flat.dtype, count)[a:b] for j in range(self.size)]
+                self._fold(chunk[a:b], sources, op, divide)
+                self._slot(self.rank, parity, flat.dtype, count)[a:b].copy_(chunk[a:b])
+            self._phase(name)
+            for j in range(self.size):
+                a, b = bounds[j], bounds[j + 1]
+                if j != self.rank and b > a:
+                    chunk[a:b].copy_(self._slot(j, parity, flat.dtype, count)[a:b])
+
+    def _parts(self, count: int, dtype: torch.dtype) -> list[int]:
+        unit = max(_ALIGN // dtype.itemsize, 1)
+        per = -(-count // self.size)
+        per = -(-per // unit) * unit
+        return [min(i * per, count) for i in range(self.size + 1)]
+
+    def _all_reduce_small(self, flat: torch.Tensor, op: str, divide: int) -> None:
+        parity = self._next_parity()
+        count = flat.numel()
+        self._slot(self.rank, parity, flat.dtype, count).copy_(flat)
+        self._phase(f"all_reduce({op})")
+        sources = [self._slot(j, parity, flat.dtype, count) for j in range(self.size)]
+        self._fold(flat, sources, op, divide)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, divide: int = 0
+    ) -> None:
+        """``output`` (n elements) = reduction of part ``local_rank`` of ``input`` (size x n)."""
+        out = output.view(-1)
+        n = out.numel()
+        src = input.view(self.size, n)
+        if op == "avg" and not divide:
+            divide = self.size
+        if self.size == 1:
+            self._fold(out, [src[0]], op, divide)
+            return
+        step = self._chunk_elems(out.dtype, parts=self.size)
+        name = f"reduce_scatter({op})"
+        for lo in range(0, n, step):
+            count = min(step, n - lo)
+            parity = self._next_parity()
+            mine = self._slot(self.rank, parity, out.dtype, count * self.size)
+            mine.view(self.size, count).copy_(src[:, lo : lo + count])
+            self._phase(name)
+            me = self.rank
+            sources = [
+                self._slot(j, parity, out.dtype, count * self.size)[me * count : (me + 1) * count]
+                for j in range(self.size)
+            ]
+            self._fold(out[lo : lo + count], sources, op, divide)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` (size x n elements) = every rank's ``input`` (n elements), in rank order."""
+        src = input.view(-1)
+        n = src.numel()
+        out = output.view(self.size, n)
+        if self.size == 1:
+            out[0].copy_(src)
+            return
+        step = self._chunk_elems(src.dtype)
+        for lo in range(0, n, step):
+            count = min(step, n - lo)
+            parity = self._next_parity()
+            self._slot(self.rank, parity, src.dtype, count).copy_(src[lo : lo + count])
+            self._phase("all_gather")
+            for j in range(self.size):
+                out[j, lo : lo + count].copy_(self._slot(j, parity, src.dtype, count))
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Copy local rank ``root``'s ``tensor`` into every rank's, in place."""
+        flat = tensor.view(-1)
+        if self.size == 1:
+            return
+        n = flat.numel()
+        step = self._chunk_elems(flat.dtype)
+        for lo in range(0, n, step):
+            count = min(step, n - lo)
+            parity = self._next_parity()
+            if self.rank == root:
+                self._slot(root, parity, flat.dtype, count).copy_(flat[lo : lo + count])
+            self._phase("broadcast")
+            if self.rank != root:
+                flat[lo : lo + count].copy_(self._slot(root, parity, flat.dtype, count))
+
+    def close(self) -> None:
+        self._slots = []
+        self.segment.close()

@@ -1,0 +1,157 @@
+"""The ``gloo+shm`` backend against Gloo on the same ranks, at 2 and 4 ranks (one launch each).
+
+Each rank runs every op x reduce op x dtype x size on the default ``gloo+shm`` group and on a
+plain Gloo group over the same ranks, and returns the list of mismatches. Integers, min and max
+must equal Gloo exactly; floats must equal, bit for bit, the documented reduction order (a left
+fold over ranks, float32 accumulation for half types) computed here from the gathered inputs,
+and agree with Gloo to its own rounding. Slots of 8 KiB make the 20 000-element cases run the
+chunked, double-buffered path with small tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torsh_distributed.testing import run_distributed
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+]
+OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+}
+SIZES = [1, 1001, 20000]  # 20000 elements > one 8 KiB slot: chunked and pipelined
+ENV = {"TORSH_SHM_SLOT_BYTES": "8192"}
+
+
+def _data(rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + n)
+    if op == "product":
+        vals = torch.randint(1, 3, (n,), generator=g)
+        return vals.to(dtype) if not dtype.is_floating_point else (vals * 0.75).to(dtype)
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g) * 4 - 2).to(dtype)
+    return torch.randint(0, 8, (n,), generator=g).to(dtype)
+
+
+def _documented(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The reduction order of docs/shm.md: left fold over ranks, half types in float32."""
+    half = inputs[0].dtype in (torch.float16, torch.bfloat16)
+    fn = {"sum": torch.add, "avg": torch.add, "product": torch.mul}.get(op)
+    fn = fn or {"min": torch.minimum, "max": torch.maximum}[op]
+    acc = inputs[0].float() if half else inputs[0].clone()
+    for x in inputs[1:]:
+        acc = fn(acc, x)
+    if op == "avg":
+        acc = acc / len(inputs)
+    return acc.to(inputs[0].dtype)
+
+
+def _gather(x: torch.Tensor, gloo) -> list[torch.Tensor]:
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(gloo))]
+    dist.all_gather(out, x, group=gloo)
+    return out
+
+
+def _check(got: torch.Tensor, gloo_result: torch.Tensor | None, want: torch.Tensor, tag: str,
+           failures: list[str]) -> None:
+    if not torch.equal(got, want):
+        failures.append(f"{tag}: not the documented order: {got[:3]} != {want[:3]}")
+    if gloo_result is None:
+        return
+    if got.dtype.is_floating_point:
+        tol = {torch.float16: 4e-3, torch.bfloat16: 2e-2}.get(got.dtype, 1e-6)
+        ok = torch.allclose(got.double(), gloo_result.double(), rtol=tol, atol=tol)
+    else:
+        ok = torch.equal(got, gloo_result)
+    if not ok:
+        failures.append(f"{tag}: differs from Gloo: {got[:3]} != {gloo_result[:3]}")
+
+
+def _matrix() -> tuple[list[str], int]:
+    assert dist.get_backend() == "gloo+shm"
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    failures: list[str] = []
+    cases = 0
+    for dtype in DTYPES:
+        for name, op in OPS.items():
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            for size in SIZES:
+                x = _data(rank, size, dtype, name)
+                everyone = _gather(x, gloo)
+                want = _documented(everyone, name)
+                got = x.clone()
+                dist.all_reduce(got, op=op)
+                ref = None
+                if name != "avg":  # Gloo has no AVG
+                    ref = x.clone()
+                    dist.all_reduce(ref, op=op, group=gloo)
+                exact = not dtype.is_floating_point or name in ("min", "max") or n == 2
+                _check(got, ref, want, f"all_reduce {name} {dtype} n={size}", failures)
+                if exact and ref is not None and not torch.equal(got, ref):
+                    failures.append(f"all_reduce {name} {dtype} n={size}: not exactly Gloo's")
+                cases += 1
+                # reduce-scatter: this rank's part of the same reduction
+                if name != "avg" and size > 1:
+                    full = _data(rank, size * n, dtype, name)
+                    want_rs = _documented(_gather(full, gloo), name).view(n, size)[rank]
+                    out = torch.empty(size, dtype=dtype)
+                    dist.reduce_scatter_tensor(out, full, op=op)
+                    ref_rs = torch.empty(size, dtype=dtype)
+                    dist.reduce_scatter_tensor(ref_rs, full, op=op, group=gloo)
+                    _check(out, ref_rs, want_rs, f"reduce_scatter {name} {dtype} n={size}",
+                           failures)
+                    cases += 1
+        for size in SIZES:
+            x = _data(rank, size, dtype, "sum")
+            everyone = _gather(x, gloo)
+            out = torch.empty(size * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, x)
+            if not torch.equal(out, torch.cat(everyone)):
+                failures.append(f"all_gather {dtype} n={size}")
+            listed = [torch.empty(size, dtype=dtype) for _ in range(n)]
+            dist.all_gather(listed, x)
+            if not torch.equal(torch.cat(listed), out):
+                failures.append(f"all_gather (list) {dtype} n={size}")
+            for root in range(n):
+                b = x.clone()
+                dist.broadcast(b, root)
+                if not torch.equal(b, everyone[root]):
+                    failures.append(f"broadcast root={root} {dtype} n={size}")
+            cases += 2 + n
+    # async handles, a barrier, and a sub-group (which gets its own segment)
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, async_op=True).wait()
+    dist.barrier()
+    sub = dist.new_group([0, 1])
+    if rank in (0, 1):
+        s = torch.full((5000,), float(rank + 1))
+        dist.all_reduce(s, group=sub)
+        if not torch.equal(s, torch.full((5000,), 3.0)):
+            failures.append(f"sub-group all_reduce {s[:2]}")
+    if not torch.equal(t, torch.full((3,), float(sum(range(n))))):
+        failures.append(f"async all_reduce {t}")
+    return failures, cases
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_op_and_dtype_equals_gloo(world_size):
+    results = run_distributed(_matrix, world_size, backend="gloo+shm", env=ENV, timeout=180)
+    for failures, cases in results:
+        assert cases > 200
+        assert failures == []

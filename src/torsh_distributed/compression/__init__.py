@@ -10,6 +10,7 @@ from torsh_distributed.compression.base import (
     Timer,
     payload_bytes,
 )
+from torsh_distributed.compression.bimodal import Bimodal
 from torsh_distributed.compression.build import build_compressor
 from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.compression.ef21 import EF21
@@ -21,23 +22,29 @@ from torsh_distributed.compression.hooks import (
     prime_buckets,
     register_compression,
 )
+from torsh_distributed.compression.lossless import Zstd
+from torsh_distributed.compression.natural import Natural
 from torsh_distributed.compression.powersgd import PowerSGD
 from torsh_distributed.compression.quantize import Cast, Int8
 from torsh_distributed.compression.sign import SignSGD, Ternary
+from torsh_distributed.compression.sketch import CountSketch
 from torsh_distributed.compression.sparsify import RandomK, Threshold, TopK
 from torsh_distributed.compression.spec import Spec, parse_spec
 
 __all__ = [
     "EF21",
     "Adaptive",
+    "Bimodal",
     "Cast",
     "Comm",
     "CompressionConfig",
     "CompressionHook",
     "Compressor",
+    "CountSketch",
     "ErrorFeedback",
     "Identity",
     "Int8",
+    "Natural",
     "PowerSGD",
     "RandomK",
     "SignSGD",
@@ -47,6 +54,7 @@ __all__ = [
     "Threshold",
     "Timer",
     "TopK",
+    "Zstd",
     "build_compressor",
     "compression_hook",
     "find_compression",

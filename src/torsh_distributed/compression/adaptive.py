@@ -35,11 +35,15 @@ import torch
 from torsh_distributed.compression.base import Comm, Compressor, Payload, Timer
 from torsh_distributed.compression.spec import build_fixed
 
-__all__ = ["Adaptive", "LADDER"]
+__all__ = ["Adaptive", "LADDER", "LADDER_ZSTD"]
 
 log = logging.getLogger(__name__)
 
 LADDER = ("none", "fp16", "int8", "powersgd:4", "topk:0.01")
+# ``auto:zstd``: each gathered rung is followed by the same method with the lossless stage, which
+# sends fewer bytes for more compute; it is chosen where the fitted link makes that pay (and the
+# lighter, unstacked rung wins ties within the margin).
+LADDER_ZSTD = ("none", "fp16", "int8", "zstd:int8", "powersgd:4", "topk:0.01", "zstd:topk:0.01")
 
 
 class Adaptive(Compressor):

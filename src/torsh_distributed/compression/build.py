@@ -7,7 +7,7 @@ layer above both (no import cycle between the spec parser and ``auto``).
 
 from __future__ import annotations
 
-from torsh_distributed.compression.adaptive import Adaptive
+from torsh_distributed.compression.adaptive import LADDER, LADDER_ZSTD, Adaptive
 from torsh_distributed.compression.base import Compressor
 from torsh_distributed.compression.spec import Spec, build_fixed, parse_spec
 
@@ -22,7 +22,8 @@ def build_compressor(
     seed: int = 0,
 ) -> Compressor:
     """The compressor a spec names (see :func:`~torsh_distributed.compression.spec.build_fixed`
-    for the arguments); ``auto`` gives the adaptive chooser.
+    for the arguments); ``auto`` gives the adaptive chooser, ``auto:zstd`` the chooser whose ladder
+    also holds the gathered methods followed by the lossless stage (:data:`LADDER_ZSTD`).
 
     Raises:
         ValueError: invalid spec, or error feedback forced where it has no meaning.
@@ -31,7 +32,7 @@ def build_compressor(
     if parsed.kind == "auto":
         if error_feedback:
             raise ValueError(f"error_feedback does not apply to compression {parsed}")
-        return Adaptive(seed=seed)
+        return Adaptive(ladder=LADDER if parsed.inner is None else LADDER_ZSTD, seed=seed)
     return build_fixed(
         parsed, error_feedback=error_feedback, stochastic_rounding=stochastic_rounding, seed=seed
     )

@@ -17,10 +17,11 @@ class CompressionConfig:
     """Gradient compression of the data-parallel gradient exchange (``zero_stage`` 0)."""
 
     method: str = field(default="none", metadata={"flags": ["--compression"]})
-    """none|fp16|bf16|int8|topk:R|randomk:R|threshold:T|sign|sign:vote|ternary|powersgd:RANK|
-    ef21:<spec>|auto. Lossy methods trade bytes on the wire for gradient error; biased ones
-    (topk, randomk, threshold, sign, powersgd) use error feedback by default; ``auto`` picks
-    per bucket from measured bandwidth and compute time. See docs/compression.md."""
+    """none|fp16|bf16|int8|natural|bimodal|topk:R|randomk:R|sketch:R|threshold:T|sign|sign:vote|
+    ternary|powersgd:RANK|ef21:<spec>|zstd:<spec>|auto|auto:zstd. Lossy methods trade bytes on
+    the wire for gradient error; biased ones (topk, randomk, sketch, threshold, sign, bimodal,
+    powersgd) use error feedback by default; ``zstd:<spec>`` adds a lossless stage after a method;
+    ``auto`` picks per bucket from measured bandwidth and compute time. See docs/compression.md."""
     error_feedback: str = field(default="default", metadata={"flags": ["--error-feedback"]})
     """``default`` (on for topk, randomk, threshold, sign, powersgd), ``on`` or ``off``:
     accumulate what was not sent and add it to the next gradient."""

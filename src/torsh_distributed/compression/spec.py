@@ -1,7 +1,8 @@
 """The ``--compression`` spec: parse (torch-free, so the CLI validates fast) and build.
 
-Grammar: ``none | fp16 | bf16 | int8 | topk:R | randomk:R | threshold:T | sign | sign:vote |
-ternary | powersgd:RANK | ef21:<spec> | auto``; ``R`` in (0, 1], ``T > 0``, ``RANK >= 1``.
+Grammar: ``none | fp16 | bf16 | int8 | natural | bimodal | topk:R | randomk:R | sketch:R |
+threshold:T | sign | sign:vote | ternary | powersgd:RANK | ef21:<spec> | zstd:<spec> | auto |
+auto:zstd``; ``R`` in (0, 1], ``T > 0``, ``RANK >= 1``.
 """
 
 from __future__ import annotations
@@ -15,18 +16,27 @@ if TYPE_CHECKING:
 __all__ = ["Spec", "parse_spec", "build_fixed", "SPEC_HELP", "EF_DEFAULT"]
 
 SPEC_HELP = (
-    "none|fp16|bf16|int8|topk:R|randomk:R|threshold:T|sign|sign:vote|ternary|powersgd:RANK|"
-    "ef21:<spec>|auto (R in (0, 1], T > 0, RANK >= 1; e.g. topk:0.01, powersgd:4, ef21:topk:0.01)"
+    "none|fp16|bf16|int8|natural|bimodal|topk:R|randomk:R|sketch:R|threshold:T|sign|sign:vote|"
+    "ternary|powersgd:RANK|ef21:<spec>|zstd:<spec>|auto|auto:zstd (R in (0, 1], T > 0, "
+    "RANK >= 1; e.g. topk:0.01, powersgd:4, ef21:topk:0.01, zstd:int8)"
 )
 
-_PLAIN = ("none", "fp16", "bf16", "int8", "sign", "ternary", "auto")
-_WITH_RATIO = ("topk", "randomk")
+_PLAIN = ("none", "fp16", "bf16", "int8", "natural", "bimodal", "sign", "ternary", "auto")
+_WITH_RATIO = ("topk", "randomk", "sketch")
+# Methods that exchange through compress/exchange (one payload), so ef21 and zstd can wrap them.
+_WRAPPABLE = (
+    "none", "fp16", "bf16", "int8", "natural", "bimodal", "topk", "randomk", "threshold",
+    "sign", "sign:vote", "ternary",
+)
 # Error feedback on by default where the method is biased and the literature uses it.
 EF_DEFAULT = {
     "none": False,
     "fp16": False,
     "bf16": False,
     "int8": False,
+    "natural": False,
+    "bimodal": True,
+    "sketch": True,
     "ternary": False,
     "topk": True,
     "randomk": True,
@@ -39,15 +49,16 @@ EF_DEFAULT = {
 
 @dataclass(frozen=True, slots=True)
 class Spec:
-    """A parsed spec: ``kind`` (``topk``), its number (``0.01``) and, for ``ef21``, the inner spec."""
+    """A parsed spec: ``kind`` (``topk``), its number (``0.01``) and, for ``ef21`` and ``zstd``,
+    the inner spec (``auto:zstd`` is ``auto`` with ``inner = Spec("zstd")``)."""
 
     kind: str
     value: float = 0.0
     inner: Spec | None = None
 
     def __str__(self) -> str:
-        if self.kind == "ef21":
-            return f"ef21:{self.inner}"
+        if self.kind in ("ef21", "zstd") or (self.kind == "auto" and self.inner is not None):
+            return f"{self.kind}:{self.inner}" if self.inner is not None else self.kind
         if self.kind in _WITH_RATIO or self.kind == "threshold":
             return f"{self.kind}:{self.value:g}"
         if self.kind == "powersgd":
@@ -73,12 +84,14 @@ def parse_spec(spec: str) -> Spec:
     text = spec.strip().lower()
     if text in _PLAIN or text == "sign:vote":
         return Spec(text)
+    if text == "auto:zstd":
+        return Spec("auto", inner=Spec("zstd"))
     kind, sep, rest = text.partition(":")
     if not sep or not rest:
-        if kind in _WITH_RATIO or kind in ("threshold", "powersgd", "ef21"):
+        if kind in _WITH_RATIO or kind in ("threshold", "powersgd", "ef21", "zstd"):
             raise ValueError(
                 f"compression spec {spec!r}: {kind} needs a value, e.g. {kind}:"
-                f"{'4' if kind == 'powersgd' else 'topk:0.01' if kind == 'ef21' else '0.01'}"
+                f"{'4' if kind == 'powersgd' else 'int8' if kind == 'zstd' else 'topk:0.01' if kind == 'ef21' else '0.01'}"
             )
         raise ValueError(f"unknown compression spec {spec!r}; expected {SPEC_HELP}")
     if kind in _WITH_RATIO:
@@ -100,19 +113,37 @@ def parse_spec(spec: str) -> Spec:
         return Spec(kind, int(value))
     if kind == "ef21":
         inner = parse_spec(rest)
-        if inner.kind in ("none", "auto", "ef21", "powersgd"):
+        if inner.kind == "none" or inner.kind not in _WRAPPABLE:
             raise ValueError(
                 f"compression spec {spec!r}: ef21 wraps a compressor of "
-                f"fp16|bf16|int8|topk|randomk|threshold|sign|ternary, not {inner.kind}"
+                f"{'|'.join(k for k in _WRAPPABLE if k not in ('none', 'sign:vote'))}, "
+                f"not {inner.kind}"
             )
         return Spec("ef21", inner=inner)
+    if kind == "zstd":
+        inner = parse_spec(rest)
+        if inner.kind not in _WRAPPABLE:
+            raise ValueError(
+                f"compression spec {spec!r}: zstd (lossless) stacks after a method that sends "
+                f"one payload, {'|'.join(_WRAPPABLE)}; not {inner.kind} (PowerSGD, EF21, sketch "
+                "and auto run their own rounds; auto:zstd lets auto stack it)"
+            )
+        return Spec("zstd", inner=inner)
     raise ValueError(f"unknown compression spec {spec!r}; expected {SPEC_HELP}")
 
 
 def _base(spec: Spec, *, stochastic_rounding: bool, seed: int) -> Compressor:
     import torch
 
-    from torsh_distributed.compression import powersgd, quantize, sign, sparsify
+    from torsh_distributed.compression import (
+        bimodal,
+        natural,
+        powersgd,
+        quantize,
+        sign,
+        sketch,
+        sparsify,
+    )
     from torsh_distributed.compression.base import Identity
 
     kind = spec.kind
@@ -122,6 +153,12 @@ def _base(spec: Spec, *, stochastic_rounding: bool, seed: int) -> Compressor:
         return quantize.Cast(torch.float16 if kind == "fp16" else torch.bfloat16)
     if kind == "int8":
         return quantize.Int8(stochastic=stochastic_rounding, seed=seed)
+    if kind == "natural":
+        return natural.Natural(seed=seed)
+    if kind == "bimodal":
+        return bimodal.Bimodal()
+    if kind == "sketch":
+        return sketch.CountSketch(spec.value, seed=seed)
     if kind == "topk":
         return sparsify.TopK(spec.value)
     if kind == "randomk":
@@ -167,6 +204,17 @@ def build_fixed(
             "build_fixed builds fixed methods; 'auto' is built by "
             "torsh_distributed.compression.build.build_compressor"
         )
+    if parsed.kind == "zstd":
+        from torsh_distributed.compression.lossless import Zstd
+
+        assert parsed.inner is not None
+        inner = build_fixed(
+            parsed.inner,
+            error_feedback=error_feedback,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+        )
+        return Zstd(inner)
     if parsed.kind == "ef21":
         from torsh_distributed.compression.ef21 import EF21
 
@@ -174,7 +222,7 @@ def build_fixed(
         return EF21(_base(parsed.inner, stochastic_rounding=stochastic_rounding, seed=seed))
     ef = EF_DEFAULT[parsed.kind] if error_feedback is None else error_feedback
     comp = _base(parsed, stochastic_rounding=stochastic_rounding, seed=seed)
-    if parsed.kind == "powersgd":
+    if parsed.kind in ("powersgd", "sketch"):
         comp.error_feedback = ef  # type: ignore[attr-defined]
         return comp
     if ef and parsed.kind != "none":

@@ -1,0 +1,237 @@
+"""The estimators of natural compression, bimodal quantisation, count-sketch and the zstd stage:
+unbiasedness where claimed, the documented error bounds, the lossless round trip, the specs and
+auto's choice of a stacked rung."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from torsh_distributed.compression import (
+    Adaptive,
+    Bimodal,
+    Comm,
+    CountSketch,
+    ErrorFeedback,
+    Natural,
+    SignSGD,
+    Zstd,
+    build_compressor,
+    parse_spec,
+)
+from torsh_distributed.compression.adaptive import LADDER_ZSTD
+from torsh_distributed.compression.lossless import decode, encode
+from torsh_distributed.compression.quantize import Int8
+
+
+def _grad(n: int = 4099, seed: int = 0) -> torch.Tensor:
+    """Gradient-like: normal entries whose scales spread over four decades, a few exact zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-4, 0, n)[torch.randperm(n, generator=g)]
+    x[::97] = 0.0
+    return x
+
+
+def test_natural_is_unbiased_with_variance_at_most_an_eighth():
+    x = _grad(1000)
+    comp = Natural(seed=1)
+    draws = 1500
+    total = torch.zeros_like(x, dtype=torch.float64)
+    sq_error = 0.0
+    for _ in range(draws):
+        payload, ctx = comp.compress(x)
+        y = comp.decompress(payload, ctx)
+        total += y.double()
+        sq_error += float(((y - x) ** 2).sum())
+    variance = sq_error / draws
+    assert variance <= x.square().sum() / 8  # Horvath et al., Theorem 1: omega = 1/8
+    # per entry, the mean of the draws is within 5 standard errors of x (bias would exceed it)
+    per_entry_sd = (x.abs() / (2 * math.sqrt(2))).double() / math.sqrt(draws)
+    bias = (total / draws - x.double()).abs()
+    assert bool((bias <= 5 * per_entry_sd + 1e-12).all()), float((bias / per_entry_sd).max())
+
+
+def test_natural_sends_signed_powers_of_two_in_one_byte_each():
+    x = _grad()
+    payload, ctx = Natural(seed=2).compress(x)
+    assert payload[0].dtype == torch.uint8 and payload[0].numel() == x.numel()
+    assert payload[1].numel() == 1
+    y = Natural().decompress(payload, ctx)
+    assert bool((y[x == 0] == 0).all())
+    nonzero = y[y != 0]
+    mantissa, _ = torch.frexp(nonzero.abs())
+    assert bool((mantissa == 0.5).all())  # exact powers of two
+    assert bool((torch.sign(nonzero) == torch.sign(x[y != 0])).all())
+    # each entry lands on one of the two powers of two around it
+    ratio = y[y != 0].abs() / x[y != 0].abs()
+    assert bool((ratio > 0.5).all()) and bool((ratio < 2.0).all())
+
+
+def test_natural_replays_after_state_restore():
+    x = _grad()
+    a = Natural(seed=5)
+    a.compress(x, key=3)
+    state = a.state_dict()
+    first = a.compress(x, key=3)[0][0]
+    b = Natural(seed=0)
+    b.load_state_dict(state)
+    assert torch.equal(b.compress(x, key=3)[0][0], first)
+
+
+def test_bimodal_is_the_least_squares_projection_on_the_sign_bins():
+    x = _grad(4099)
+    comp = Bimodal(block=256)
+    payload, ctx = comp.compress(x)
+    y = comp.decompress(payload, ctx)
+    err, norm, kept = float((x - y).square().sum()), float(x.square().sum()), float(y.square().sum())
+    assert err == pytest.approx(norm - kept, rel=1e-4)  # orthogonal projection
+    assert err <= (1 - 1 / (2 * 256)) * norm
+    sign = SignSGD(block=256)
+    s_payload, s_ctx = sign.compress(x)
+    assert err <= float((x - sign.decompress(s_payload, s_ctx)).square().sum())
+    # each block decodes to two levels: the means of its non-negative and negative entries
+    block = x[:256]
+    assert float(y[:256][block >= 0][0]) == pytest.approx(float(block[block >= 0].mean()), rel=1e-5)
+    assert float(y[:256][block < 0][0]) == pytest.approx(float(block[block < 0].mean()), rel=1e-5)
+    nbytes = sum(t.numel() * t.element_size() for t in payload)
+    assert nbytes == math.ceil(4099 / 8) + 8 * math.ceil(4099 / 256)
+
+
+def test_count_sketch_single_row_estimate_is_unbiased_with_variance_over_columns():
+    x = _grad(2000)
+    seeds = 300
+    total = torch.zeros_like(x, dtype=torch.float64)
+    sq = torch.zeros_like(x, dtype=torch.float64)
+    for seed in range(seeds):
+        comp = CountSketch(0.2, rows=1, seed=seed)
+        est = comp.estimate(comp.sketch(x, 0), x.numel(), 0).double()
+        total += est
+        sq += (est - x.double()) ** 2
+    columns = CountSketch(0.2, rows=1).columns(x.numel())
+    # Var(estimate_j) = sum_{i != j} x_i^2 / columns: the mean squared error is within 20 % of it
+    bound = float((x.square().sum() - x.square()).double().mean()) / columns
+    assert float(sq.mean()) / seeds == pytest.approx(bound, rel=0.2)
+    sd = math.sqrt(bound / seeds)
+    assert float((total / seeds - x.double()).abs().max()) < 5 * sd
+
+
+def test_count_sketch_finds_heavy_hitters_and_keeps_exact_books():
+    n = 20_000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    spikes = torch.arange(0, n, 997)[:20]
+    x[spikes] = torch.linspace(1, 2, spikes.numel())
+    comp = CountSketch(0.05, rows=3, seed=4)
+    payload, ctx = comp.compress(x)
+    assert payload[0].numel() == 3 * comp.columns(n)
+    y = comp.decompress(payload, ctx)
+    assert torch.allclose(y[spikes], x[spikes], atol=0.05)  # median of 3 rows
+    # through reduce (a world of one): sent + residual == sum of gradients, every step
+    comm = Comm()
+    total, sent = torch.zeros(n), torch.zeros(n)
+    for step in range(5):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(10 + step))
+        total += g
+        sent += comp.reduce(g.clone(), comm, key=1)
+    assert torch.allclose(sent + comp.errors[1], total, atol=1e-4)
+    state = comp.state_dict()
+    again = CountSketch(0.05, rows=3, seed=4)
+    again.load_state_dict(state)
+    g = torch.randn(n)
+    assert torch.equal(again.reduce(g.clone(), comm, key=1), comp.reduce(g.clone(), comm, key=1))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32]
+)
+def test_byte_stream_round_trip_is_exact(dtype):
+    t = (torch.randn(1000) * 50).to(dtype)
+    out = decode(encode([t, torch.empty(0, dtype=dtype), t[:3].clone()]))
+    assert [o.dtype for o in out] == [dtype] * 3
+    assert torch.equal(out[0].view(torch.uint8), t.view(torch.uint8)) and out[1].numel() == 0
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.05", "sign", "natural", "bimodal", "none"])
+def test_zstd_stage_is_lossless_after_any_method(spec):
+    x = _grad()
+    plain = build_compressor(spec, seed=3)
+    stacked = build_compressor(f"zstd:{spec}", seed=3)
+    assert isinstance(stacked, Zstd) and stacked.name == f"zstd:{plain.name}"
+    p_payload, p_ctx = plain.compress(x.clone(), key=0)
+    s_payload, s_ctx = stacked.compress(x.clone(), key=0)
+    assert torch.equal(stacked.decompress(s_payload, s_ctx), plain.decompress(p_payload, p_ctx))
+    if isinstance(plain, ErrorFeedback):  # the residual (inside the stage) is the same too
+        assert torch.equal(stacked.inner.residuals[0], plain.residuals[0])
+    # reduce in a world of one: the stacked method's exchange gives the plain one's result
+    assert torch.equal(
+        build_compressor(f"zstd:{spec}", seed=9).reduce(x.clone(), Comm()),
+        build_compressor(spec, seed=9).reduce(x.clone(), Comm()),
+    )
+
+
+def test_zstd_shrinks_int8_codes_of_a_gradient():
+    stacked = Zstd(Int8())
+    payload, _ = stacked.compress(_grad(65_536))
+    assert payload[0].numel() < 0.8 * 65_540  # int8 codes of spread-out magnitudes: mostly small
+    assert stacked.packed_bytes == payload[0].numel() and stacked.raw_bytes > stacked.packed_bytes
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("zstd", "zstd needs a value"),
+        ("zstd:powersgd:2", r"zstd \(lossless\) stacks after a method that sends one payload"),
+        ("zstd:sketch:0.1", "not sketch"),
+        ("sketch:0", r"ratio must be in \(0, 1\]"),
+        ("natural:2", "unknown compression spec"),
+    ],
+)
+def test_new_bad_specs_raise_clear_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec(spec)
+
+
+@pytest.mark.parametrize(
+    "spec", ["natural", "bimodal", "sketch:0.1", "zstd:int8", "zstd:topk:0.01", "auto:zstd"]
+)
+def test_new_specs_parse_round_trip_and_build(spec):
+    parsed = parse_spec(spec)
+    assert parse_spec(str(parsed)) == parsed and str(parsed) == spec
+    comp = build_compressor(spec, seed=1)
+    assert comp.name == ("auto" if spec.startswith("auto") else spec)
+    if spec == "auto:zstd":
+        assert comp.ladder == list(LADDER_ZSTD)
+    blob = io.BytesIO()
+    torch.save(comp.state_dict(), blob)  # checkpointable
+
+
+def test_error_feedback_defaults_of_the_new_methods():
+    assert isinstance(build_compressor("bimodal"), ErrorFeedback)  # biased, as in 1-bit SGD
+    assert not isinstance(build_compressor("natural"), ErrorFeedback)  # unbiased
+    assert build_compressor("sketch:0.1").error_feedback is True
+    assert build_compressor("sketch:0.1", error_feedback=False).error_feedback is False
+
+
+def test_auto_zstd_stacks_the_lossless_stage_only_where_the_link_pays_for_it():
+    # zstd:int8 sends 30 % fewer bytes than int8 for 3 ms more compute per bucket
+    ladder = list(LADDER_ZSTD)
+    compute = dict.fromkeys(range(len(ladder)), 0.0)
+    compute[ladder.index("int8")], compute[ladder.index("zstd:int8")] = 0.001, 0.004
+    for name in ("powersgd:4", "topk:0.01", "zstd:topk:0.01"):
+        compute[ladder.index(name)] = 10.0  # out of the running
+    nbytes = {i: 4_000_000 for i in range(len(ladder))}
+    nbytes[ladder.index("fp16")] = 2_000_000
+    nbytes[ladder.index("int8")] = 1_000_000
+    nbytes[ladder.index("zstd:int8")] = 700_000
+
+    def decide(sec_per_byte: float) -> set[str]:
+        auto = Adaptive(ladder=ladder)
+        for key in (0, 1):
+            for i in range(len(ladder)):
+                auto.samples[(key, i)] = [(compute[i], nbytes[i], 1, nbytes[i] * sec_per_byte)] * 2
+        return {ladder[i] for i in auto._decide().values()}
+
+    assert decide(1 / 12.5e6) == {"zstd:int8"}  # 100 Mbit/s: 24 ms saved for 3 ms
+    assert decide(1 / 1e9) == {"fp16"}  # 1 GB/s: 0.3 ms saved does not pay for 3 ms

@@ -51,7 +51,11 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, another user's
         return True
-    return True
+    try:  # a killed child its parent has not reaped yet is a zombie: dead for us
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
 
 
 def _unlink_pending() -> None:

@@ -1,0 +1,88 @@
+"""``gloo+shm`` failure paths on real processes: a rank SIGKILLed in the middle of all-reduces and a
+rank that hangs both give the peer our timeout error (naming the rank and the operation) within
+timeout + 5 s, and no segment of the job is left in /dev/shm; stale segments of dead jobs are
+found and removed, live ones kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torsh_distributed.runtime import world
+from torsh_distributed.runtime.errors import DistributedTimeoutError
+from torsh_distributed.runtime.shm import cleanup_stale_segments
+from torsh_distributed.testing import RankFailedError, run_distributed
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+
+TIMEOUT_S = 3.0
+
+
+def _victim(mode: str, out: str) -> int:
+    world.init(backend="gloo+shm", timeout=TIMEOUT_S)
+    rank = dist.get_rank()
+    buf = torch.ones(3_000_000)  # 12 MB: three 4 MB chunks per all-reduce
+    dist.all_reduce(buf)
+    if rank == 1:
+        if mode == "kill":  # die 50 ms into the loop below: inside an all-reduce
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        else:  # hang: miss the next all-reduce for longer than the timeout, then leave
+            time.sleep(TIMEOUT_S + 1)
+            return os.getpid()
+    start = time.monotonic()
+    result: dict = {"pid": os.getpid(), "error": None}
+    try:
+        for _ in range(100000):
+            dist.all_reduce(buf)
+    except DistributedTimeoutError as exc:
+        result.update(error=str(exc), elapsed=time.monotonic() - start)
+    Path(out).write_text(json.dumps(result))
+    return os.getpid()
+
+
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_dead_or_hung_peer_raises_timeout_error_and_leaves_no_segment(tmp_path, mode):
+    out = tmp_path / "rank0.json"
+    if mode == "kill":
+        with pytest.raises(RankFailedError, match="rank 1 of 2 failed"):
+            run_distributed(_victim, 2, args=(mode, str(out)), init=False, timeout=60)
+    else:
+        run_distributed(_victim, 2, args=(mode, str(out)), init=False, timeout=60)
+    result = json.loads(out.read_text())
+    assert result["error"] is not None, "rank 0 finished every all-reduce"
+    assert "rank 1 did not reach all_reduce(sum)" in result["error"]
+    assert result["elapsed"] < TIMEOUT_S + 5
+    if mode == "kill":
+        assert "has exited" in result["error"]
+    else:
+        assert f"did not arrive within {TIMEOUT_S:g} s" in result["error"]
+        assert result["elapsed"] >= TIMEOUT_S - 0.5
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"torsh-shm-{result['pid']}-")] == []
+
+
+def _fake_segment(directory: Path, creator: int, pids: list[int], token: str) -> Path:
+    path = directory / f"torsh-shm-{creator}-{token * 16}"
+    head = b"TORSHSHM" + struct.pack("<II", 1, len(pids)) + bytes(48)
+    path.write_bytes(head + struct.pack(f"<{len(pids)}q", *pids))
+    return path
+
+
+def test_stale_segments_of_dead_jobs_are_removed_live_ones_kept(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid is dead
+    stale = _fake_segment(tmp_path, gone.pid, [gone.pid, gone.pid], "ab")
+    live = _fake_segment(tmp_path, gone.pid, [gone.pid, os.getpid()], "cd")  # a rank is alive
+    other = tmp_path / "torch_123_456"
+    other.write_bytes(b"x")
+    assert cleanup_stale_segments(tmp_path) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()

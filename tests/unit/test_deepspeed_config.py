@@ -101,11 +101,11 @@ def test_misspellings_get_a_suggestion_and_strict_refuses_them():
 
 def test_unsupported_features_are_named():
     _, report = _import({"fp16": {"enabled": True, "hysteresis": 2}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
-                         "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}})
+                         "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3}}})
     notes = {e.key: e.note for e in report.unsupported}
     assert "halves on every overflow" in notes["fp16.hysteresis"]
     assert "NVMe" in notes["zero_optimization.offload_param.device"]
-    assert "only Adam, AdamW and SGD" in notes["optimizer.type"]
+    assert "only Adam, AdamW, SGD, OneBitAdam and ZeroOneAdam" in notes["optimizer.type"]
 
 
 def test_contradicting_an_explicit_flag_is_refused():

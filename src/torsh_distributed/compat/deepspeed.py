@@ -11,8 +11,9 @@ happened to each key:
   batch triple, fp16's initial scale and window, bf16, the warm-up schedulers);
 * **mapped**: an equivalent with a stated difference (``steps_per_print`` -> ``log_every``,
   DDP bucket sizes from element counts, ``overlap_comm`` -> torch overlaps anyway, a ``log``
-  warm-up done linearly, ...);
-* **unsupported**: no equivalent here (NVMe offload, ``hysteresis`` > 1, 1-bit Adam, the
+  warm-up done linearly, ``OneBitAdam`` / ``ZeroOneAdam`` -> ``--optimizer onebit_adam |
+  zerooneadam`` with their ``freeze_step`` / ``var_*`` / ``local_step_*`` parameters, ...);
+* **unsupported**: no equivalent here (NVMe offload, ``hysteresis`` > 1, 1-bit LAMB, the
   profilers, DeepSpeed's own monitors, ...), and unknown keys, with a "did you mean" for
   misspellings. ``strict=True`` turns any unsupported key into a ``ValueError``;
 * **ignored**: listed, never refused: comments (``_comment``, any key starting with ``_``, at
@@ -43,6 +44,7 @@ from torsh_distributed.compat._deepspeed_model_rules import (
     MODEL_SECTIONS,
     autotp_size,
 )
+from torsh_distributed.compat._deepspeed_onebit_rules import ONEBIT_RULES
 from torsh_distributed.compat._deepspeed_rules import RULES as _BASE_RULES
 from torsh_distributed.compat._deepspeed_rules import SECTIONS as _BASE_SECTIONS
 from torsh_distributed.compat._deepspeed_rules import Context, Outcome
@@ -55,7 +57,7 @@ C = TypeVar("C", bound=EngineConfig)
 DeepSpeedReport = ConfigReport
 """The report of a DeepSpeed config (:class:`~._report.ConfigReport`)."""
 
-RULES = {**_BASE_RULES, **MODEL_RULES}
+RULES = {**_BASE_RULES, **MODEL_RULES, **ONEBIT_RULES}
 SECTIONS = _BASE_SECTIONS | MODEL_SECTIONS
 LEGACY_SECTIONS = {"bfloat16": "bf16"}
 """Old section names DeepSpeed still reads when the new name is absent (``get_bfloat16_config``)."""

@@ -83,8 +83,8 @@ def predict_peak_rss(
 
 def planner_optimizer(optim: Any) -> str:
     """The planner's optimizer name for a trainer's ``OptimConfig``."""
-    if optim.optimizer == "adamw":
-        return "adam"
+    if optim.optimizer in ("adamw", "onebit_adam", "zerooneadam"):
+        return "adam"  # the 1-bit methods' error buffers (about 1x more) are not modelled
     return "sgd" if optim.momentum else "sgd-plain"
 
 

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
+from torsh_distributed.compression.onebit import OneBitOptimizer, replace_ddp_allreduce
 from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
 from torsh_distributed.energy.tracker import METRICS, EnergyTracker
 from torsh_distributed.engine import _setup as S
@@ -238,7 +239,9 @@ class Run:
     def _new_optimizer(self, holder: nn.Module) -> torch.optim.Optimizer:
         factory = self.engine.optimizer_factory
         if factory is None:
-            return build_optimizer(holder, self.cfg.optim)
+            dims = self.dims
+            group = None if dims.dp == dims.world_size else dims.group("dp")
+            return build_optimizer(holder, self.cfg.optim, group=group)
         opt = factory(list(holder.parameters()))
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
@@ -264,6 +267,10 @@ class Run:
         # prime DDP's buckets on this rank's first batch; leave buffers as they were
         engine, forward = self.engine, built.forward
         assert forward is not None
+        if isinstance(self.optimizer, OneBitOptimizer):  # its exchange replaces DDP's
+            if isinstance(forward, nn.parallel.DistributedDataParallel):
+                replace_ddp_allreduce(forward, self.optimizer)
+            return
         x0, y0 = self._batch(engine.dataset, engine.train_sampler, 0)
         saved = [b.detach().clone() for b in built.holder.buffers()]
         compression.attach(forward, built.holder, prime=lambda: self.loss_fn(forward(x0), y0))
@@ -287,7 +294,10 @@ class Run:
                 "loss_scaler": self.scaler,
                 **({"lr_scheduler": scheduler} if scheduler else {}),
             },
-            rank_state={"compression": self.compression.stateful},
+            rank_state={
+                "compression": self.compression.stateful,
+                "onebit": getattr(self.optimizer, "local_state", None),
+            },
             layout={"tp": dims.tp} if tp_plan is not None and tp_plan.prepare else None,
             sampler=engine.train_sampler,
             model_info=engine.model_info,
@@ -567,7 +577,8 @@ class Run:
             backend=self.runtime.backend,
             layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
             memory=self.memory.summary(),
-            compression=self.compression.summary(),
+            compression=(onebit if isinstance(onebit := self.optimizer, OneBitOptimizer)
+                         else self.compression).summary(),  # bytes of whoever exchanges
             monitor=monitor_report,
             checkpoint=self.ckpt.summary(),
             precision=self.scaler.summary(),

@@ -15,21 +15,27 @@ from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
 from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
-__all__ = ["EngineConfig", "OptimConfig", "OPTIMIZERS", "SCHEDULES"]
+__all__ = ["EngineConfig", "OptimConfig", "ONEBIT", "OPTIMIZERS", "SCHEDULES"]
 
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "onebit_adam", "zerooneadam")
+ONEBIT = ("onebit_adam", "zerooneadam")
+"""Optimizers that do their own data-parallel communication (docs/compression.md, "1-bit Adam")."""
 SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    """AdamW (or SGD) with linear warm-up then cosine decay."""
+    """AdamW (or SGD, 1-bit Adam, 0/1 Adam) with linear warm-up then cosine decay."""
 
     optimizer: str = "adamw"
     """``adamw`` (``beta1``, ``beta2``, ``eps``) or ``sgd`` (plain, or heavy-ball with ``momentum``). Error
     feedback's guarantees are for SGD: sparse and sign compressors that lag under AdamW train
-    like uncompressed SGD (docs/compression.md)."""
+    like uncompressed SGD (docs/compression.md). ``onebit_adam`` (1-bit Adam: AdamW for
+    ``freeze_step`` steps, then frozen variance and the momentum all-reduced in 1-bit codes) and
+    ``zerooneadam`` (0/1 Adam: thinning variance updates until ``freeze_step``, then 1-bit
+    synchronisations with local steps) replace DDP's gradient all-reduce with their own
+    (``--zero-stage 0``, no tp/pp/ep, no ``--compression``)."""
     momentum: float = 0.0
     """SGD momentum in [0, 1) (0 = plain SGD); ``sgd`` only."""
     beta1: float = 0.9
@@ -52,6 +58,17 @@ class OptimConfig:
     """Final learning rate as a fraction of ``lr`` at the end of the decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    freeze_step: int = 100
+    """``onebit_adam``: steps of fp32 AdamW before the variance freezes and 1-bit momentum
+    exchange starts (the paper warms up for 15 to 25 percent of a run). ``zerooneadam``: the last step
+    that may update the variance (its ``var_freeze_step``; about the end of the lr warm-up)."""
+    var_update_scaler: int = 16
+    """``zerooneadam``: variance updates per interval before the interval doubles (kappa)."""
+    local_step_scaler: int = 32678
+    """``zerooneadam``: steps after the freeze before the interval between synchronisations
+    doubles (DeepSpeed's default keeps synchronising every step)."""
+    local_step_clipper: int = 16
+    """``zerooneadam``: the longest interval between synchronisations (the paper's H)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -82,6 +99,14 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0:
             raise ValueError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+        for name in ("freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            _positive("optim", name, getattr(self, name))
+            owner = "onebit_adam or zerooneadam" if name == "freeze_step" else "zerooneadam"
+            default = OptimConfig.__dataclass_fields__[name].default
+            if getattr(self, name) != default and self.optimizer not in owner.split(" or "):
+                raise ValueError(
+                    f"optim.{name} applies to optimizer {owner} only (got {self.optimizer!r})"
+                )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,6 +165,7 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be one of auto, gloo, nccl; got {self.backend!r}")
+        _check_onebit(self)
         if self.carbon.scale and not self.checkpoint.dir:
             raise ValueError(
                 "carbon.scale needs --checkpoint.dir DIR: a change of world size restarts the "
@@ -189,6 +215,43 @@ class EngineConfig:
             if name in kwargs and isinstance(kwargs[name], dict):
                 kwargs[name] = _section(section_cls, kwargs[name], name)
         return cls(**kwargs)
+
+
+def _check_onebit(cfg: EngineConfig) -> None:
+    """Refuse the layouts 1-bit Adam / 0/1 Adam cannot serve, naming the alternative."""
+    name, par = cfg.optim.optimizer, cfg.parallel
+    if name not in ONEBIT:
+        return
+    instead = "or use --optimizer adamw"
+    if par.zero_stage:
+        raise ValueError(
+            f"--optimizer {name} keeps the whole optimizer state on every rank and all-reduces "
+            f"its momentum: it needs --zero-stage 0, got {par.zero_stage} ({instead} with "
+            "ZeRO, or with --compression int8 to compress DDP's all-reduce)"
+        )
+    for axis in ("tp", "pp", "ep"):
+        degree = getattr(par, axis)
+        if degree > 1:
+            raise ValueError(
+                f"--optimizer {name} exchanges the momenta of whole data-parallel replicas: it "
+                f"cannot run with --{axis} {degree} ({instead}"
+                + (
+                    " with --compression, which compresses the data-parallel exchange)"
+                    if axis != "ep"
+                    else ")"
+                )
+            )
+    if cfg.compression.enabled:
+        raise ValueError(
+            f"--optimizer {name} compresses its own communication: drop --compression "
+            f"{cfg.compression.method} ({instead} with it)"
+        )
+    if cfg.comm.algorithm:
+        raise ValueError(
+            f"--optimizer {name} replaces DDP's gradient all-reduce: drop --comm-algorithm "
+            f"{cfg.comm.algorithm} ({instead} with it)"
+        )
+
 
 def _section(cls: type, values: dict[str, Any], name: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}

@@ -1,8 +1,8 @@
 """The engine's default optimizer and learning-rate schedule (``OptimConfig``).
 
 Users may pass their own optimizer factory and scheduler to the engine instead; these are what
-``torsh-dist train`` uses: AdamW (betas 0.9, 0.95) or SGD, weight decay on matrices only, linear
-warm-up then cosine decay to ``min_lr_ratio``.
+``torsh-dist train`` uses: AdamW (betas 0.9, 0.95), SGD, 1-bit Adam or 0/1 Adam, weight decay on
+matrices only, linear warm-up then cosine decay to ``min_lr_ratio``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from torsh_distributed.compression.onebit import OneBitAdam, ZeroOneAdam
 from torsh_distributed.engine.config import OptimConfig
 
 __all__ = ["build_optimizer", "lr_at"]
@@ -32,16 +34,40 @@ def lr_at(step: int, *, optim: OptimConfig, max_steps: int) -> float:
     return floor + (optim.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over ``model``'s parameters; matrices decay, vectors (biases, norms) do not."""
+def build_optimizer(
+    model: nn.Module, optim: OptimConfig, *, group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """AdamW, SGD, 1-bit Adam or 0/1 Adam over ``model``'s parameters; matrices decay, vectors
+    (biases, norms) do not. ``group``: the data-parallel group the last two communicate over
+    (``None``: the default group)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    betas = (optim.beta1, optim.beta2)
+    if optim.optimizer == "onebit_adam":
+        return OneBitAdam(
+            groups,
+            lr=optim.lr,
+            betas=betas,
+            eps=optim.eps,
+            freeze_step=optim.freeze_step,
+            group=group,
+        )
+    if optim.optimizer == "zerooneadam":
+        return ZeroOneAdam(
+            groups,
+            lr=optim.lr,
+            betas=betas,
+            eps=optim.eps,
+            var_freeze_step=optim.freeze_step,
+            var_update_scaler=optim.var_update_scaler,
+            local_step_scaler=optim.local_step_scaler,
+            local_step_clipper=optim.local_step_clipper,
+            group=group,
+        )
     if optim.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=True)
-    return torch.optim.AdamW(
-        groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True
-    )
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=betas, eps=optim.eps, foreach=True)

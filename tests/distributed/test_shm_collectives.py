@@ -66,8 +66,13 @@ def _gather(x: torch.Tensor, gloo) -> list[torch.Tensor]:
     return out
 
 
-def _check(got: torch.Tensor, gloo_result: torch.Tensor | None, want: torch.Tensor, tag: str,
-           failures: list[str]) -> None:
+def _check(
+    got: torch.Tensor,
+    gloo_result: torch.Tensor | None,
+    want: torch.Tensor,
+    tag: str,
+    failures: list[str],
+) -> None:
     if not torch.equal(got, want):
         failures.append(f"{tag}: not the documented order: {got[:3]} != {want[:3]}")
     if gloo_result is None:
@@ -114,8 +119,9 @@ def _matrix() -> tuple[list[str], int]:
                     dist.reduce_scatter_tensor(out, full, op=op)
                     ref_rs = torch.empty(size, dtype=dtype)
                     dist.reduce_scatter_tensor(ref_rs, full, op=op, group=gloo)
-                    _check(out, ref_rs, want_rs, f"reduce_scatter {name} {dtype} n={size}",
-                           failures)
+                    _check(
+                        out, ref_rs, want_rs, f"reduce_scatter {name} {dtype} n={size}", failures
+                    )
                     cases += 1
         for size in SIZES:
             x = _data(rank, size, dtype, "sum")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -119,6 +120,8 @@ class ShmProcessGroup(ProcessGroup):
         slot_bytes: int = DEFAULT_SLOT_BYTES,
     ) -> None:
         super().__init__(rank, size)
+        self.counts: Counter[str] = Counter()
+        """Calls per path (``"shm all_reduce"``, ``"gloo allgather"``, ...): what took the fast path."""
         self._timeout_s = timeout.total_seconds()
         self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, self._gloo)
@@ -187,6 +190,10 @@ class ShmProcessGroup(ProcessGroup):
             lib=lib,
         )
 
+    def _fallback(self, name: str) -> Any:
+        self.counts[f"gloo {name}"] += 1
+        return getattr(self._gloo, name)
+
     # -- torch's ProcessGroup interface ------------------------------------------------------
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -199,10 +206,11 @@ class ShmProcessGroup(ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = _op_name(opts)
         if len(tensors) != 1 or op is None or not supports(tensors[0], op):
-            return self._gloo.allreduce(tensors, opts)
+            return self._fallback("allreduce")(tensors, opts)
         tensor = tensors[0]
         if self.single_node:
             self._transport.all_reduce(tensor, op)
+            self.counts["shm allreduce"] += 1
             return _DoneWork(tensors)
         local_op = "sum" if op == "avg" else op
         self._transport.all_reduce(tensor, local_op)
@@ -213,11 +221,12 @@ class ShmProcessGroup(ProcessGroup):
             if op == "avg":
                 tensor.div_(self.size())
         self._transport.broadcast(tensor, 0)
+        self.counts["shm allreduce"] += 1
         return _DoneWork(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         if len(tensors) != 1 or not supports(tensors[0]):
-            return self._gloo.broadcast(tensors, opts)
+            return self._fallback("broadcast")(tensors, opts)
         tensor, root = tensors[0], opts.rootRank
         root_node = self._node_of[root]
         if root_node == self._node_index:
@@ -228,6 +237,7 @@ class ShmProcessGroup(ProcessGroup):
             self._leader_pg.broadcast([tensor], outer).wait()
         if root_node != self._node_index:
             self._transport.broadcast(tensor, 0)
+        self.counts["shm broadcast"] += 1
         return _DoneWork(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:
@@ -236,6 +246,7 @@ class ShmProcessGroup(ProcessGroup):
             self._leader_pg.barrier().wait()
         if not self.single_node:
             self._transport.barrier()
+        self.counts["shm barrier"] += 1
         return _DoneWork([])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
@@ -245,8 +256,9 @@ class ShmProcessGroup(ProcessGroup):
             or output.numel() != input.numel() * self.size()
             or output.dtype != input.dtype
         ):
-            return self._gloo._allgather_base(output, input, opts)
+            return self._fallback("_allgather_base")(output, input, opts)
         self._transport.all_gather(output, input)
+        self.counts["shm _allgather_base"] += 1
         return _DoneWork([output])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
@@ -256,13 +268,14 @@ class ShmProcessGroup(ProcessGroup):
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
         if not self.single_node or len(inputs) != 1 or not supports(inputs[0]):
-            return self._gloo.allgather(outputs, inputs, opts)
+            return self._fallback("allgather")(outputs, inputs, opts)
         if any(o.shape != inputs[0].shape or o.dtype != inputs[0].dtype for o in outputs[0]):
-            return self._gloo.allgather(outputs, inputs, opts)
+            return self._fallback("allgather")(outputs, inputs, opts)
         flat = torch.empty((self.size(), inputs[0].numel()), dtype=inputs[0].dtype)
         self._transport.all_gather(flat, inputs[0])
         for j, out in enumerate(outputs[0]):
             out.view(-1).copy_(flat[j])
+        self.counts["shm allgather"] += 1
         return _DoneWork(outputs[0])
 
     def _reduce_scatter_base(
@@ -276,8 +289,9 @@ class ShmProcessGroup(ProcessGroup):
             or input.numel() != output.numel() * self.size()
             or output.dtype != input.dtype
         ):
-            return self._gloo._reduce_scatter_base(output, input, opts)
+            return self._fallback("_reduce_scatter_base")(output, input, opts)
         self._transport.reduce_scatter(output, input, op)
+        self.counts["shm _reduce_scatter_base"] += 1
         return _DoneWork([output])
 
     def reduce_scatter_single(
@@ -297,9 +311,10 @@ class ShmProcessGroup(ProcessGroup):
             or not supports(out, op)
             or any(t.shape != out.shape or t.dtype != out.dtype for t in inputs[0])
         ):
-            return self._gloo.reduce_scatter(outputs, inputs, opts)
+            return self._fallback("reduce_scatter")(outputs, inputs, opts)
         stacked = torch.stack([t.reshape(-1) for t in inputs[0]])
         self._transport.reduce_scatter(out, stacked, op)
+        self.counts["shm reduce_scatter"] += 1
         return _DoneWork(outputs)
 
     def shutdown(self) -> None:

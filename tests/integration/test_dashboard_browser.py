@@ -17,7 +17,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-CHARTS = ("loss", "throughput", "breakdown", "ranks", "memory", "comm")
+CHARTS = ("loss", "throughput", "breakdown", "ranks", "memory", "comm", "energy")
 
 
 @pytest.mark.slow
@@ -67,6 +67,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path):
                 assert points["ranks"] == 2  # one bar per rank
                 assert page.text_content("#status") == "live"
                 assert "slowest rank" in page.text_content("#slowest")
+                assert "g CO2e" in page.text_content("#energy-note")  # the estimate's carbon, live
                 # The active alert is listed and can be acknowledged from the page.
                 page.wait_for_selector("#alerts button", timeout=30_000)
                 assert "step-time-budget" in page.text_content("#alerts")

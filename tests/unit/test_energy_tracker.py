@@ -211,7 +211,9 @@ def test_tracker_logs_the_latest_reading_to_the_monitor_after_every_step():
         wall.t += 2.0
         cpu.t += 1.0  # 2 J over 2 s: 1 W
         tracker.step_end()
-    assert logged == [("energy_joules", 2.0), ("energy_w", 1.0), ("energy_joules", 4.0), ("energy_w", 1.0)]
+    names = ["energy_joules", "energy_w", "carbon_grams"]
+    assert [n for n, _ in logged] == names * 2
+    assert [v for _, v in logged] == pytest.approx([2.0, 1.0, 2.0 / 3.6e6, 4.0, 1.0, 4.0 / 3.6e6])  # 1 g/kWh
 
 
 def test_a_series_that_ended_before_the_run_warns_on_rank_0(tmp_path: Path):

@@ -13,14 +13,14 @@ from torsh_distributed.monitor.server import DashboardServer
 from torsh_distributed.testing import find_free_port
 
 
-def _agg(grad_norm: float = float("nan")):
+def _agg(grad_norm: float = float("nan"), *, energy: bool = False):
     rows = []
     for rank in range(2):
         base = dict.fromkeys(FIELDS, 0.0)
         base.update(step=20, step_time=0.1 + rank * 0.05, comm_wait=0.01, loss=2.5, lr=1e-3,
                     grad_norm=grad_norm, tokens_per_s=500.0)
-        rows.append([base[f] for f in FIELDS])
-    return aggregate(rows)
+        rows.append([base[f] for f in FIELDS] + ([100.0, 50.0, 0.01] if energy else []))
+    return aggregate(rows, custom=("energy_joules", "energy_w", "carbon_grams") if energy else ())
 
 
 def test_prometheus_text_has_job_and_rank_labels_and_serves_http():
@@ -130,14 +130,14 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     from torsh_distributed.monitor.prometheus import PrometheusExporter
 
     exporter = PrometheusExporter(job="g")
-    exporter.update(_agg(grad_norm=1.0))
+    exporter.update(_agg(grad_norm=1.0, energy=True))  # the energy tracker's metrics too
     exporter.count_anomaly("loss")
     exported = set(re.findall(r"^(torsh_\w+?)(?:\{| )", exporter.text(), re.M))
     board = json.loads((Path(monitor.__file__).parent / "grafana" / "torsh.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\btorsh_\w+", e)}
     assert used and used <= exported, used - exported
-    assert {"torsh_step_time_seconds", "torsh_slowest_rank", "torsh_step_phase_seconds"} <= used
+    assert {"torsh_step_time_seconds", "torsh_slowest_rank", "torsh_step_phase_seconds", "torsh_power_watts"} <= used
 
 
 def test_taken_ports_fail_with_the_flag_to_change():

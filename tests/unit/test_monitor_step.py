@@ -190,6 +190,35 @@ def test_prometheus_exports_custom_metrics_as_one_gauge_with_a_name_label():
     exporter.close()
 
 
+def test_energy_metrics_get_gauges_of_their_own_and_the_dashboard_sums_the_ranks(monkeypatch: pytest.MonkeyPatch):
+    pytest.importorskip("prometheus_client")
+    from torsh_distributed.energy.tracker import METRICS
+    from torsh_distributed.monitor.prometheus import PrometheusExporter
+
+    rows = []
+    for joules, watts, grams in ((30.0, 12.5, 0.004), (40.0, math.nan, 0.006)):
+        base = dict.fromkeys(FIELDS, 0.0)
+        base.update(step=4, step_time=0.1)
+        rows.append([base[f] for f in FIELDS] + [joules, watts, grams, 0.25])
+    agg = aggregate(rows, custom=(*METRICS, "accuracy"))
+    exporter = PrometheusExporter(job="unit")
+    exporter.update(agg, alerts_by_severity={}, anomalies=[])
+    text = exporter.text()
+    assert 'torsh_energy_joules{job="unit",rank="1"} 40.0' in text
+    assert 'torsh_power_watts{job="unit",rank="0"} 12.5' in text and 'torsh_power_watts{job="unit",rank="1"}' not in text
+    assert 'torsh_carbon_grams{job="unit",rank="0"} 0.004' in text
+    assert 'name="energy' not in text and 'torsh_custom{job="unit",name="accuracy",rank="0"} 0.25' in text
+    exporter.close()
+    monkeypatch.setattr(_dashboard_sink, "_PUBLISH_EVERY_S", 0.0)
+    port = find_free_port()
+    mon = StepMonitor(MonitorConfig(dashboard_port=port, every=2), custom_metrics=METRICS, max_steps=4,
+                      echo=lambda _text: None)
+    _steps(mon, 0, 2, {1: {"energy_joules": 30.0, "energy_w": 12.5, "carbon_grams": 0.01}})
+    state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/state", timeout=5).read())
+    mon.finish()
+    assert state["history"]["power_w"] == [12.5] and state["history"]["carbon_g"] == [0.01]
+
+
 def test_dashboard_sink_publishes_state_and_applies_acks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(_dashboard_sink, "_PUBLISH_EVERY_S", 0.0)
     rules = {"rules": [{"type": "threshold", "name": "low-accuracy", "metric": "custom.accuracy_mean",

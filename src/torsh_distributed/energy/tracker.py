@@ -32,10 +32,11 @@ from torsh_distributed.energy.power import PowerLimit, parse_power_limit
 
 __all__ = ["METRICS", "EnergyTracker", "all_gather_rows", "combine"]
 
-METRICS = ("energy_joules", "energy_w")
+METRICS = ("energy_joules", "energy_w", "carbon_grams")
 """Names the tracker logs after every step when given a ``log`` (the step monitor's custom
-metrics: Prometheus ``torsh_custom{name=...}``, the dashboard, the report): this rank's joules at
-the latest reading and its average watts between the last two readings."""
+metrics: Prometheus ``torsh_energy_joules``, ``torsh_power_watts`` and ``torsh_carbon_grams``, the
+dashboard's energy panel, the report): this rank's joules and grams at the latest reading and its
+average watts between the last two readings."""
 
 _TRACE_POINTS = 120
 """Readings of each rank kept for plots: the trace is halved whenever it reaches twice this, so
@@ -164,6 +165,7 @@ class EnergyTracker:
         if self._log is not None:
             self._log("energy_joules", self._j - self._j0)
             self._log("energy_w", self._watts)
+            self._log("carbon_grams", self.grams)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from torsh_distributed.monitor.alerts import AlertManager
 from torsh_distributed.monitor.anomaly import Anomaly, AnomalyTracker
-from torsh_distributed.monitor.metrics import PHASES, Aggregate
+from torsh_distributed.monitor.metrics import CUSTOM_PREFIX, PHASES, Aggregate
 from torsh_distributed.monitor.server import DashboardServer
 from torsh_distributed.monitor.sinks import json_safe
 
@@ -96,6 +96,9 @@ class DashboardSink:
             "comm_mbps": comm_bytes / comm_time / 1e6 if comm_time > 0 else 0.0,
             "imbalance": flat["imbalance"],
         }
+        if "energy_w" in agg.custom:  # the energy tracker's metrics: the job's power and carbon
+            point["power_w"] = _sum_finite(agg.column(CUSTOM_PREFIX + "energy_w"))
+            point["carbon_g"] = _sum_finite(agg.column(CUSTOM_PREFIX + "carbon_grams"))
         self._recorded += 1
         if (self._recorded - 1) % self._stride:
             return
@@ -137,3 +140,9 @@ class DashboardSink:
             state["imbalance"] = agg.imbalance
         history = "{" + ",".join(f'"{k}":[{",".join(v)}]' for k, v in self._series.items()) + "}"
         self._server.publish(json_safe(state), raw={"history": history})
+
+
+def _sum_finite(values: list[float]) -> float:
+    """The sum of the ranks that logged in the window (NaN when none did)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) if finite else math.nan

@@ -78,6 +78,12 @@ class PrometheusExporter:
         self.alerts = gauge("torsh_alerts_active", "Active alerts by severity.", ["job", "severity"])
         self.custom = gauge("torsh_custom", "Custom metric logged by the training loop (window mean "
                             "of the rank).", ["job", "rank", "name"])
+        self.energy = {  # the energy tracker's custom metrics, each on a gauge of its own
+            "energy_joules": gauge("torsh_energy_joules", "Joules of the rank's meter since the run's first "
+                                   "step (GPU: NVML; host: RAPL, shared by the host's ranks; else estimated)."),
+            "energy_w": gauge("torsh_power_watts", "Average watts of the rank's meter between its last two readings."),
+            "carbon_grams": gauge("torsh_carbon_grams", "Grams CO2e of the rank's joules at the grid intensity."),
+        }
         self.anomalies = Counter("torsh_anomalies", "Anomalies detected.", ["job", "metric"], registry=r)
         self._server: Any = None
         self.port = port
@@ -122,7 +128,11 @@ class PrometheusExporter:
             self.step.labels(*labels).set(row["step"])
             for name in agg.custom:
                 value = row[CUSTOM_PREFIX + name]
-                if math.isfinite(value):
+                own = self.energy.get(name)
+                if own is not None:
+                    if math.isfinite(value):
+                        own.labels(*labels).set(value)
+                elif math.isfinite(value):
                     self.custom.labels(job, str(rank), name).set(value)
                 else:
                     with contextlib.suppress(KeyError):  # KeyError: never set

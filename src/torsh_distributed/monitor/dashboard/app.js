@@ -145,6 +145,17 @@ function render(state) {
     { name: "RSS", values: (h.rss_max || []).map(v => v === null ? null : v / 2 ** 20) },
     { name: "CUDA", values: (h.cuda_max || []).map(v => v === null ? null : v / 2 ** 20) },
   ]);
+  const power = h.power_w || [];
+  if (power.some(v => v !== null)) {
+    lineChart(document.getElementById("chart-energy"), xs, [{ name: "W", values: power }]);
+    const grams = (h.carbon_g || []).filter(v => v !== null);
+    const carbon = grams.length ? grams[grams.length - 1] : null;
+    document.getElementById("energy-note").textContent =
+      `carbon so far ${carbon === null ? "–" : carbon.toPrecision(3)} g CO2e. From the ranks' energy ` +
+      "meters (docs/energy.md); ranks that share a host's RAPL counter each count it.";
+  } else {
+    message(document.getElementById("chart-energy"), "no energy metering (--energy.meter off)");
+  }
   renderAlerts(state);
   document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
 }

@@ -6,8 +6,10 @@ the library's :func:`generate` on the model :func:`load_gpt` returns; ``--tp 2``
 tokens of ``--tp 1`` (fp64). infer: 2 ranks (batches of 3) write exactly the file of 1 rank
 (batches of 4), in input order, each prompt's tokens those of the library with its derived
 seed; a run whose rank 1 is SIGKILLed after its first batch leaves no output, and the rerun
-(on 1 rank) computes only the prompts without a result and writes the uninterrupted run's file. Bad input
-is refused before any rank starts, naming the line.
+(on 1 rank) computes only the prompts without a result and writes the uninterrupted run's file;
+``--nproc-per-node 4 --tp 2`` (2 replicas of a model sharded over 2 ranks) writes the file of 1
+rank too. Bad input is refused before any rank starts, naming the line, and so are ``--tp``
+layouts that cannot work.
 """
 
 from __future__ import annotations
@@ -226,6 +228,17 @@ def test_two_ranks_write_the_one_rank_output(ckpt: Path, prompts: Path, one_rank
         assert rows[i]["stop_reason"] == expected.stop_reason
 
 
+def test_tp2_replicas_write_the_one_rank_output(ckpt: Path, prompts: Path, one_rank: Path):
+    out = ckpt.parent / "tp2.jsonl"
+    proc = _ok(
+        _infer(ckpt, prompts, out, "--nproc-per-node", "4", "--tp", "2", "--batch-size", "3")
+    )
+    assert out.read_bytes() == one_rank.read_bytes()  # fp64: sampled and greedy lines alike
+    summary = json.loads(out.with_suffix(".summary.json").read_text())
+    assert (summary["world_size"], summary["tp"], summary["computed"]) == (4, 2, len(PROMPTS))
+    assert "on 4 rank(s) (dp 2 x tp 2)" in proc.stdout
+
+
 def test_a_killed_run_resumes_with_only_the_rest(ckpt: Path, prompts: Path, one_rank: Path):
     out = ckpt.parent / "resumed.jsonl"
     parts = out.with_name("resumed.jsonl.parts")
@@ -285,6 +298,31 @@ def test_bad_input_is_refused_before_any_rank_starts(
     err = capsys.readouterr().err
     assert code == 2 and match in err, err
     assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--tp", "3"], "tp=3 must divide the model's n_head=2"),
+        (["--tp", "0"], "tp must be an int >= 1, got 0"),
+        (["--tp", "2", "--nproc-per-node", "3"], "--nproc-per-node 3 must be a multiple of --tp 2"),
+    ],
+)
+def test_infer_refuses_a_tp_layout_that_cannot_work(
+    ckpt: Path,
+    prompts: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    match: str,
+):
+    out = tmp_path / "out.jsonl"
+    code = main(
+        ["infer", "--checkpoint", str(ckpt), "--input", str(prompts), "--output", str(out), *flags]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and match in err, err
+    assert list(tmp_path.iterdir()) == []  # refused before any rank started
 
 
 def test_generate_refuses_what_it_cannot_do(

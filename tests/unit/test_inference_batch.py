@@ -156,7 +156,7 @@ def test_jobs_validate_and_round_trip():
         checkpoint="ck", prompt="hi", sampling=SamplingConfig(stop_strings=("\n",)), tp=2
     )
     assert GenerateJob.from_json(job.to_json()) == job
-    infer = InferJob(checkpoint="ck", input="a.jsonl", output="b.jsonl", batch_size=3)
+    infer = InferJob(checkpoint="ck", input="a.jsonl", output="b.jsonl", batch_size=3, tp=2)
     assert InferJob.from_json(infer.to_json()) == infer
     with pytest.raises(ValueError, match="tp must be an int >= 1"):
         GenerateJob(checkpoint="ck", prompt="hi", tp=0)
@@ -166,6 +166,8 @@ def test_jobs_validate_and_round_trip():
         GenerateJob(checkpoint="ck", prompt="hi", dtype="int8")
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         InferJob(checkpoint="ck", input="a", output="b", batch_size=0)
+    with pytest.raises(ValueError, match="tp must be an int >= 1"):
+        InferJob(checkpoint="ck", input="a", output="b", tp=0)
     with pytest.raises(ValueError, match="output must differ from input"):
         InferJob(checkpoint="ck", input="a.jsonl", output="./a.jsonl")
 

@@ -1,11 +1,12 @@
-"""``torsh-dist infer``: data-parallel batch inference over a JSONL file, resumable.
+"""``torsh-dist infer``: data- and tensor-parallel batch inference over a JSONL file, resumable.
 
 Parses the flags into an :class:`~torsh_distributed.inference.batch.InferJob`, checks the
-checkpoint and every input line here (:func:`~torsh_distributed.inference.batch.plan_infer`),
-then runs :func:`~torsh_distributed.inference.batch.run_infer` in this process or on
-``--nproc-per-node`` ranks started by the same launcher as ``torsh-dist train``
-(``python -m torsh_distributed.cli.infer --job-json ...`` on each). Rank 0 shows the progress
-bar and prints the summary.
+checkpoint, the ``--tp`` layout and every input line here
+(:func:`~torsh_distributed.inference.batch.plan_infer`), then runs
+:func:`~torsh_distributed.inference.batch.run_infer` in this process or on ``--nproc-per-node``
+ranks started by the same launcher as ``torsh-dist train`` (``python -m
+torsh_distributed.cli.infer --job-json ...`` on each): ``nproc-per-node / tp`` model replicas
+per node, each sharded over ``--tp`` ranks. Rank 0 shows the progress bar and prints the summary.
 """
 
 from __future__ import annotations
@@ -25,15 +26,21 @@ _EPILOG = """\
 examples:
   torsh-dist infer --checkpoint runs/tiny --input prompts.jsonl --output out.jsonl \\
       --nproc-per-node 2 --max-new-tokens 64 --temperature 0.8 --seed 1
+  # a model sharded over 2 ranks (tensor parallel); --nproc-per-node defaults to --tp
+  torsh-dist infer --checkpoint runs/big --input prompts.jsonl --output out.jsonl --tp 2
+  # 4 ranks: 2 replicas (data parallel), each sharded over 2 ranks
+  torsh-dist infer --checkpoint runs/big --input prompts.jsonl --output out.jsonl \\
+      --nproc-per-node 4 --tp 2
   # prompts.jsonl: one object per line, "prompt" required, the rest optional
   {"id": "a", "prompt": "def main():\\n"}
   {"id": "b", "prompt": "import os\\n", "max_new_tokens": 20, "temperature": 0, "stop": ["\\n\\n"]}
 
 out.jsonl lines, in input order: {"index", "id", "prompt", "completion", "tokens", "stop_reason",
 "seed"}. A line without "seed" samples with one derived from --seed and its index, so the
-output does not depend on --nproc-per-node or --batch-size.
+output does not depend on --nproc-per-node or --batch-size (nor on --tp, up to floating-point
+rounding: greedy ties within rounding can break differently).
 
-Resumable: each rank appends finished batches to OUTPUT.parts/rank_R.jsonl; run the same
+Resumable: each replica appends finished batches to OUTPUT.parts/rank_R.jsonl; run the same
 command again after a crash and only the prompts without a result are computed (on any number
 of ranks). OUTPUT is written, whole and atomically, only when every prompt is done.
 """
@@ -57,7 +64,13 @@ def _run(job: InferJob) -> InferSummary | None:
     if summary is not None:
         print(
             f"torsh-dist infer: {summary.prompts} prompts, {summary.skipped} done earlier, "
-            f"{summary.computed} computed on {summary.world_size} rank(s), "
+            f"{summary.computed} computed on {summary.world_size} rank(s)"
+            + (
+                f" (dp {summary.world_size // summary.tp} x tp {summary.tp})"
+                if summary.tp > 1
+                else ""
+            )
+            + ", "
             f"{summary.generated_tokens} tokens in {summary.wall_time_s:.2f} s "
             f"({summary.tokens_per_s:,.0f} tokens/s) -> {summary.output}",
             flush=True,
@@ -76,9 +89,17 @@ def _handle(args: argparse.Namespace) -> int:
         sampling=sampling_from_args(args),
         batch_size=args.batch_size,
         dtype=args.dtype,
+        tp=args.tp,
         summary_json=args.summary_json or "",
     )
     options = options_from_args(args)
+    if job.tp > 1 and options.nproc_per_node == 1:
+        options.nproc_per_node = job.tp  # one replica per node
+    if options.nproc_per_node % job.tp:
+        raise ValueError(
+            f"--nproc-per-node {options.nproc_per_node} must be a multiple of --tp {job.tp} "
+            "(each node runs whole tensor-parallel groups)"
+        )
     job, _ = plan_infer(job)  # every input error here, before any rank starts
     if options.nproc_per_node == 1 and options.nnodes in ("1", "1:1"):
         _run(job)
@@ -94,12 +115,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     parser = sub.add_parser(
         "infer",
-        help="complete a JSONL file of prompts on N data-parallel ranks (resumable)",
+        help="complete a JSONL file of prompts on N data-parallel ranks, --tp M: each "
+        "replica sharded over M ranks (resumable)",
         description=(
             "Batch inference with the built-in GPT of a `torsh-dist train --checkpoint-dir` run: "
-            "every rank loads the model and completes its share of the prompts of --input in "
-            "batches of --batch-size; --output gets one line per prompt, in input order. An "
-            "interrupted run resumes where it stopped."
+            "the ranks form --nproc-per-node / --tp replicas of the model (each sharded over "
+            "--tp ranks, tensor parallel), and every replica completes its share of the prompts "
+            "of --input in batches of --batch-size; --output gets one line per prompt, in "
+            "input order. An interrupted run resumes where it stopped."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -132,6 +155,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="B",
         help="prompts a rank decodes together (also the most work a crash loses "
         "per rank). Default: 16",
+    )
+    group.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks per model replica, for a model that does not fit one "
+        "rank (must divide the model's heads and --nproc-per-node, which defaults to N). "
+        "A model that fits one rank completes a file faster as N data-parallel replicas "
+        "(--nproc-per-node N). Default: 1",
     )
     group.add_argument(
         "--summary-json",

@@ -1,12 +1,18 @@
-"""Data-parallel batch inference over a JSONL file, resumable after a crash: what
+"""Batch inference over a JSONL file, data- and tensor-parallel, resumable after a crash: what
 ``torsh-dist infer`` runs.
 
-:func:`run_infer` runs on every rank of the job. Each rank loads the whole model, takes its
-contiguous share of the prompts not yet done and decodes it in batches of
-:attr:`InferJob.batch_size` through :class:`~torsh_distributed.inference.generate.TextGenerator`.
+:func:`run_infer` runs on every rank of the job. The job's ranks form ``dp = world_size / tp``
+groups of :attr:`InferJob.tp` consecutive ranks (the ``dp x tp`` mesh of
+:class:`~torsh_distributed.comm.dims.ParallelDims`, ``tp`` innermost). Each group holds the
+model (whole at ``tp = 1``; sharded by the GPT's tensor-parallel plan over the group's ranks
+otherwise, for a model that does not fit one rank), takes its contiguous share of the prompts
+not yet done and decodes it in batches of :attr:`InferJob.batch_size` through
+:class:`~torsh_distributed.inference.generate.TextGenerator`: the ranks of a group run the same
+batches and agree on every token (see :mod:`~torsh_distributed.inference.generate`); the
+group's first rank writes the results.
 
-**Resumable.** A rank appends each finished batch to its part file
-(``<output>.parts/rank_<R>.jsonl``), flushed and fsync'ed, before starting the next. A rerun
+**Resumable.** A group's first rank appends each finished batch to its part file
+(``<output>.parts/rank_<R>.jsonl``, ``R`` its global rank), flushed and fsync'ed, before starting the next. A rerun
 with the same input and output reads every part file (rank 0, before any rank writes), keeps
 the results whose key matches (the prompt's index, its input line, its sampling settings and
 the checkpoint: see :mod:`~torsh_distributed.inference._batch`) and computes only the rest,
@@ -17,7 +23,9 @@ exists half-written.
 **Reproducible.** A prompt without its own ``seed`` samples with a seed derived from the run's
 seed and its index (:func:`~torsh_distributed.inference._batch.prompt_seed`), and a row's tokens
 do not depend on its batch (see :mod:`~torsh_distributed.inference.generate`), so the output
-does not depend on the number of ranks, the batch size or where a crashed run stopped.
+does not depend on the number of ranks, the batch size or where a crashed run stopped; nor on
+``tp``, up to floating-point rounding (a sharded matrix product sums in another order, which
+can flip a choice only between tokens whose logits tie to within that rounding).
 
 The ranks exchange one small all-reduce per round of batches (the progress count); a rank that
 dies makes the others fail at the next round rather than finish and wait. Several nodes need
@@ -92,11 +100,18 @@ class InferJob:
     flushed per batch, so it is also the most work a crash loses per rank."""
     dtype: str = "float32"
     """Weights' dtype (``float32``, ``bfloat16``, ``float16``, ``float64``)."""
+    tp: int = 1
+    """Tensor-parallel ranks per model replica: each holds ``1/tp`` of the heads and MLP (for a
+    model too big for one rank); the job's world size must be a multiple of it. Every token
+    costs a few collectives within the group, so a model that fits one rank completes a file
+    faster as ``tp`` data-parallel replicas."""
     summary_json: str = ""
     """Also write the :class:`InferSummary` here as JSON; empty = no file."""
 
     def __post_init__(self) -> None:
         check_job_fields(self.checkpoint, self.dtype, self.sampling)
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
         for name in ("input", "output"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a file path")
@@ -132,6 +147,8 @@ class InferSummary:
     tokens_per_s: float
     """``generated_tokens / wall_time_s``."""
     world_size: int
+    tp: int
+    """Ranks per model replica (``world_size / tp`` replicas decoded in parallel)."""
     output: str
     checkpoint: str
     """The step directory the results come from."""
@@ -146,13 +163,13 @@ def plan_infer(job: InferJob) -> tuple[InferJob, list[PromptItem]]:
 
     Raises:
         FileNotFoundError, ValueError: the checkpoint (see
-            :func:`~torsh_distributed.inference.load.find_checkpoint`), the input (``FILE:LINE``
-            of a malformed line, a missing ``prompt``, a bad setting, a prompt longer than the
-            model's context; an empty input).
+            :func:`~torsh_distributed.inference.load.find_checkpoint`), ``tp`` not dividing the
+            model's heads, the input (``FILE:LINE`` of a malformed line, a missing ``prompt``,
+            a bad setting, a prompt longer than the model's context; an empty input).
     """
     path = str(find_checkpoint(job.checkpoint))
     config, _ = read_gpt_config(path)
-    check_model(config)
+    check_model(config, tp=job.tp)
     items = read_prompts(
         job.input,
         job.sampling,
@@ -208,26 +225,33 @@ def run_infer(job: InferJob, *, progress: Progress | None = None) -> InferSummar
         The summary on rank 0 (also written to ``job.summary_json`` when set); ``None`` elsewhere.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`plan_infer`.
+        FileNotFoundError, ValueError: see :func:`plan_infer`; a world size that is not a
+            multiple of ``job.tp``.
     """
     owned = not world.is_initialized()
     runtime = world.init()
     try:
         rank, size = runtime.rank, runtime.world_size
+        if size % job.tp:
+            raise ValueError(f"tp={job.tp} must divide the job's world size {size}")
         with warnings.catch_warnings():
             if rank != 0:
                 warnings.simplefilter("ignore")  # one copy of each input warning
             job, items = plan_infer(job)
         model, _, _ = load_for_job(
-            job.checkpoint, dtype=job.dtype, device=runtime.device, tp=1, world_size=size
+            job.checkpoint, dtype=job.dtype, device=runtime.device, tp=job.tp, world_size=size
         )
+        # ParallelDims puts tp innermost: the group of rank r is dp rank r // tp
+        replica, leader = rank // job.tp, rank % job.tp == 0
         started = time.perf_counter()
         parts = parts_dir(job.output)
         pending = _pending(rank, size, items, parts)
-        all_shares = shares(pending, size)
-        writer = PartWriter(parts, rank) if pending else None
-        generator = TextGenerator(model, max_batch_size=job.batch_size, tp_group=None)
-        counts = _decode(job, items, all_shares, rank, size, writer, generator, progress)
+        all_shares = shares(pending, size // job.tp)
+        writer = PartWriter(parts, rank) if pending and leader else None
+        generator = TextGenerator(
+            model, max_batch_size=job.batch_size, tp_group="auto" if job.tp > 1 else None
+        )
+        counts = _decode(job, items, all_shares, rank, replica, size, writer, generator, progress)
         summary = None
         if rank == 0:
             summary = _finish(job, items, parts, pending, counts, started, size)
@@ -244,13 +268,15 @@ def _decode(
     items: list[PromptItem],
     all_shares: list[list[int]],
     rank: int,
+    replica: int,
     size: int,
     writer: PartWriter | None,
     generator: TextGenerator,
     progress: Progress | None,
 ) -> tuple[int, int]:
-    """Decode this rank's share batch by batch; returns ``(prompts, tokens)`` of all ranks."""
-    mine = all_shares[rank]
+    """Decode this rank's replica's share batch by batch (only the writing rank of each replica
+    records and counts it); returns ``(prompts, tokens)`` of all replicas."""
+    mine = all_shares[replica]
     total = sum(len(s) for s in all_shares)
     rounds = max(math.ceil(len(s) / job.batch_size) for s in all_shares)
     active = faults.active()
@@ -261,12 +287,12 @@ def _decode(
         batch = [items[i] for i in mine[k * job.batch_size : (k + 1) * job.batch_size]]
         count = torch.zeros(2, dtype=torch.long)
         if batch:
-            assert writer is not None
             results = generator.generate([b.prompt for b in batch], [b.sampling for b in batch])
-            writer.append(
-                {**_record(b, r), "key": b.key} for b, r in zip(batch, results, strict=True)
-            )
-            count += torch.tensor([len(batch), sum(len(r.tokens) for r in results)])
+            if writer is not None:
+                writer.append(
+                    {**_record(b, r), "key": b.key} for b, r in zip(batch, results, strict=True)
+                )
+                count += torch.tensor([len(batch), sum(len(r.tokens) for r in results)])
             faults.on_step_end(k + 1, rank, active)  # TORSH_FAULT=kill:rank=R:step=K (tests)
         if size > 1:
             dist.all_reduce(count)
@@ -309,6 +335,7 @@ def _finish(
         wall_time_s=wall,
         tokens_per_s=counts[1] / wall if wall > 0 else 0.0,
         world_size=size,
+        tp=job.tp,
         output=job.output,
         checkpoint=job.checkpoint,
     )

@@ -187,12 +187,15 @@ def plan_generate(job: GenerateJob) -> GenerateJob:
 def load_for_job(
     checkpoint: str, *, dtype: str, device: torch.device, tp: int, world_size: int
 ) -> tuple[GPT, ModelConfig, LoadInfo]:
-    """The GPT of ``checkpoint`` on this rank: whole, or sharded over a ``tp`` mesh of the
-    running job (whose world size must then be ``tp``)."""
+    """The GPT of ``checkpoint`` on this rank: whole, or sharded over the ``tp`` axis of the
+    running job's ``dp x tp`` mesh (``dp = world_size / tp`` replicas; ``world_size`` must be a
+    multiple of ``tp``, and every rank of the job must call this)."""
     mesh = None
     if tp > 1:
-        if world_size != tp:
-            raise ValueError(f"tp={tp} needs a job of {tp} ranks, this one has {world_size}")
+        if world_size % tp:
+            raise ValueError(
+                f"tp={tp} needs a job of a multiple of {tp} ranks, this one has {world_size}"
+            )
         from torsh_distributed.comm.dims import ParallelDims
 
         dims = ParallelDims(tp=tp, world_size=world_size, device_type=device.type).build()
@@ -216,6 +219,10 @@ def run_generate(job: GenerateJob) -> GenerateReport | None:
     owned = not world.is_initialized()
     runtime = world.init()
     try:
+        if runtime.world_size != job.tp:
+            raise ValueError(
+                f"tp={job.tp} needs a job of {job.tp} ranks, this one has {runtime.world_size}"
+            )
         started = time.perf_counter()
         model, _, info = load_for_job(
             job.checkpoint,

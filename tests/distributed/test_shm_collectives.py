@@ -152,12 +152,26 @@ def _matrix() -> tuple[list[str], int]:
             failures.append(f"sub-group all_reduce {s[:2]}")
     if not torch.equal(t, torch.full((3,), float(sum(range(n))))):
         failures.append(f"async all_reduce {t}")
-    return failures, cases
+    # `torsh-dist bench collectives --impl shm` rows (a gloo+shm group beside the default one)
+    from torsh_distributed.cli.bench import run_bench
+
+    rows = run_bench(
+        ops=["all_reduce", "reduce_scatter"],
+        sizes=[1 << 16],
+        impls=["torch", "shm"],
+        iters=2,
+        warmup=1,
+        rounds=1,
+    )
+    bench = sorted((r["op"], r["impl"]) for r in rows if r["busbw_GBps"] > 0 and r["calls"] == 2)
+    return failures, cases, bench
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_op_and_dtype_equals_gloo(world_size):
     results = run_distributed(_matrix, world_size, backend="gloo+shm", env=ENV, timeout=180)
-    for failures, cases in results:
+    for failures, cases, bench in results:
         assert cases > 200
         assert failures == []
+        ops = ("all_reduce", "reduce_scatter")
+        assert bench == sorted((op, impl) for op in ops for impl in ("shm", "torch"))

@@ -15,7 +15,9 @@ Implementations: ``torch`` (raw ``torch.distributed``), ``torch2`` (raw torch ag
 control whose ratio to ``torch`` is the noise floor of the measurement on this machine), ``torsh``
 (the facade, backend's algorithm, called as a user would: without the ``algorithm`` argument),
 ``ring``, ``tree``, ``hierarchical`` (facade with that algorithm; only ops that have it) and
-``auto`` (facade, cost model after a link probe; the JSON names the algorithm it chose).
+``auto`` (facade, cost model after a link probe; the JSON names the algorithm it chose) and
+``shm`` (raw ``torch.distributed`` on a ``gloo+shm`` group over the same ranks: shared memory
+inside the node, see docs/shm.md; all-to-all and reduce fall back to Gloo inside it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 __all__ = ["register", "parse_size", "run_bench", "main", "OPS", "IMPLS"]
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
-IMPLS = ("torch", "torch2", "torsh", "ring", "tree", "hierarchical", "auto")
+IMPLS = ("torch", "torch2", "torsh", "ring", "tree", "hierarchical", "auto", "shm")
 _ALGO_OPS = {
     "ring": {"all_reduce"},
     "tree": {"all_reduce", "broadcast", "reduce"},
@@ -45,6 +47,7 @@ _EPILOG = """\
 examples:
   torsh-dist bench collectives --nproc 2 --ops all_reduce,all_gather --sizes 1M,16M --impl torch,torsh
   torsh-dist bench collectives --nproc 4 --sizes 1K,1M --impl torch,ring,tree,auto --json bench.json
+  torsh-dist bench collectives --nproc 4 --ops all_reduce,all_gather --sizes 1M,32M --impl torch,shm
 """
 _UNITS = {
     "": 1,
@@ -85,7 +88,11 @@ def _bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sizes", default="1K,1M,16M", help="comma list of buffer sizes (1K, 1M, ...)"
     )
-    parser.add_argument("--impl", default="torch,torsh", help=f"comma list of {', '.join(IMPLS)}")
+    parser.add_argument(
+        "--impl",
+        default="torch,torsh",
+        help=f"comma list of {', '.join(IMPLS)} (shm: a gloo+shm group, shared memory in the node)",
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per impl per round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     parser.add_argument(
@@ -97,11 +104,13 @@ def _bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="write every row to this JSON file (rank 0)")
 
 
-def _op_call(op: str, impl: str, buf: Any, out: Any, n: int) -> Any:
+def _op_call(op: str, impl: str, buf: Any, out: Any, n: int, shm: Any = None) -> Any:
     import torch.distributed as dist
 
     from torsh_distributed.comm import collectives as C
 
+    if impl == "shm":  # raw torch on the gloo+shm group
+        return _raw_call(op, buf, out, shm)
     raw = impl in ("torch", "torch2")
     algo = "torch" if impl in ("torch", "torch2", "torsh") else impl
     kw = {} if algo == "torch" else {"algorithm": algo}  # torsh: called as a user would
@@ -124,6 +133,22 @@ def _op_call(op: str, impl: str, buf: Any, out: Any, n: int) -> Any:
     )
 
 
+def _raw_call(op: str, buf: Any, out: Any, group: Any) -> Any:
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(buf, group=group)
+    if op == "broadcast":
+        return lambda: dist.broadcast(buf, dist.get_global_rank(group, 0), group=group)
+    if op == "reduce":
+        return lambda: dist.reduce(buf, dist.get_global_rank(group, 0), group=group)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(out, buf, group=group)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(buf, out, group=group)
+    return lambda: dist.all_to_all_single(out, buf, group=group)
+
+
 def run_bench(
     *, ops: list[str], sizes: list[int], impls: list[str], iters: int, warmup: int, rounds: int
 ) -> list[dict[str, Any]]:
@@ -139,6 +164,12 @@ def run_bench(
     dims = ParallelDims(dp=-1).build()
     if "auto" in impls:
         dims.probe()
+    shm = None
+    if "shm" in impls:
+        from torsh_distributed.runtime.shm import register
+
+        register()
+        shm = dist.new_group(backend="gloo+shm")
     for op in ops:
         for size in sizes:
             count = size // 4
@@ -146,7 +177,9 @@ def run_bench(
             per = max(count // n, 1) if op in ("all_gather", "reduce_scatter") else count
             if op == "all_to_all":
                 per = count // n * n or n
-            usable = [i for i in impls if i in ("torch", "torch2", "torsh") or op in _ALGO_OPS[i]]
+            usable = [
+                i for i in impls if i in ("torch", "torch2", "torsh", "shm") or op in _ALGO_OPS[i]
+            ]
             if "hierarchical" in usable and not dims.hierarchical:
                 usable.remove("hierarchical")
                 if dist.get_rank() == 0 and op == ops[0] and size == sizes[0]:
@@ -161,7 +194,7 @@ def run_bench(
             out = torch.ones(per * n if op in ("all_gather", "reduce_scatter") else per)
             calls = {}
             for impl in usable:
-                calls[impl] = _op_call(op, impl, buf, out, n)
+                calls[impl] = _op_call(op, impl, buf, out, n, shm)
                 for _ in range(warmup):
                     calls[impl]()
             chosen = (

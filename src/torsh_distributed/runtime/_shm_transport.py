@@ -297,7 +297,9 @@ class ShmTransport:
             self._slot(self.rank, parity, src.dtype, count).copy_(src[lo : lo + count])
             self._phase("all_gather")
             for j in range(self.size):
-                out[j, lo : lo + count].copy_(self._slot(j, parity, src.dtype, count))
+                mine = j == self.rank  # our own part: from the input, still in cache
+                part = src[lo : lo + count] if mine else self._slot(j, parity, src.dtype, count)
+                out[j, lo : lo + count].copy_(part)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Copy local rank ``root``'s ``tensor`` into every rank's, in place."""

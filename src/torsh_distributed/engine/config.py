@@ -148,7 +148,8 @@ class EngineConfig:
     log_every: int = 10
     """Refresh the progress bar's loss/throughput every N steps."""
     backend: str = "auto"
-    """Process group backend: ``auto`` (NCCL if every local rank has a GPU, else Gloo), ``gloo``, ``nccl``."""
+    """Process group backend: ``auto`` (NCCL if every local rank has a GPU, else Gloo), ``gloo``, ``nccl``,
+    ``gloo+shm`` (shared-memory collectives inside a node, docs/shm.md)."""
     threads: int = 0
     """Torch intra-op threads per rank; 0 = CPU cores divided by local ranks."""
     progress: bool = True
@@ -163,8 +164,10 @@ class EngineConfig:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be one of auto, gloo, nccl; got {self.backend!r}")
+        if self.backend not in ("auto", "gloo", "nccl", "gloo+shm"):
+            raise ValueError(
+                f"backend must be one of auto, gloo, nccl, gloo+shm; got {self.backend!r}"
+            )
         _check_onebit(self)
         if self.carbon.scale and not self.checkpoint.dir:
             raise ValueError(

@@ -69,7 +69,7 @@ GRACE_S = 2.0
 """After a rank failed only because a peer vanished, how long to wait for the peer's own news
 (its death is usually noticed a moment later) before stopping the job."""
 
-_BACKENDS = ("auto", "gloo", "nccl")
+_BACKENDS = ("auto", "gloo", "nccl", "gloo+shm")
 # What torch raises when a collective or the store gives up waiting (with "timed out"/"timeout").
 _TORCH_ERRORS = frozenset(
     {"RuntimeError", "DistError", "DistBackendError", "DistStoreError", "DistNetworkError"}

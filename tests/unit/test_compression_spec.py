@@ -81,9 +81,15 @@ def test_compression_rejects_sharding_but_takes_a_comm_algorithm():
     def check_compatible(config):
         check_compression(config.compression, zero_stage=config.parallel.zero_stage)
 
-    cfg = TrainConfig.from_dict({"compression": {"method": "int8"}, "parallel": {"zero_stage": 2}})
-    with pytest.raises(ValueError, match=r"applies to DDP \(parallel.zero_stage 0\) only; got --zero-stage 2"):
+    cfg = TrainConfig.from_dict({"compression": {"method": "topk:0.01"}, "parallel": {"zero_stage": 2}})
+    with pytest.raises(ValueError, match=r"applies to DDP \(parallel.zero_stage 0\) only; got --zero-stage 2.*"
+                       r"Use --compression int8 with --zero-stage 2"):
         check_compatible(cfg)
+    cfg = TrainConfig.from_dict({"compression": {"method": "int8"}, "parallel": {"zero_stage": 1}})
+    with pytest.raises(ValueError, match=r"got --zero-stage 1. Use --zero-stage 0 --compression int8, or"):
+        check_compatible(cfg)
+    # int8 at ZeRO-2/3: the quantised FSDP2 collectives (tests/distributed/test_quantized_zero.py)
+    check_compatible(TrainConfig.from_dict({"compression": {"method": "int8"}, "parallel": {"zero_stage": 3}}))
     # the compression hook sums through the facade with the algorithm (test_collectives_trainer)
     check_compatible(TrainConfig.from_dict({"compression": {"method": "int8"}, "comm": {"algorithm": "ring"}}))
     with pytest.raises(ValueError, match="compression.warmup_steps must be >= 0"):

@@ -366,8 +366,6 @@ _ZERO_UNSUPPORTED = {
     "sub_group_size": "the optimizer steps over the whole local shard",
     "round_robin_gradients": "not built",
     "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not built",
-    "zero_quantized_weights": "ZeRO++ quantisation is not built",
-    "zero_quantized_gradients": "ZeRO++ quantisation is not built",
     "zero_quantized_nontrainable_weights": "ZeRO++ quantisation is not built",
     "mics_shard_size": "MiCS is not built",
     "mics_hierarchical_params_gather": "MiCS is not built",
@@ -377,6 +375,23 @@ _ZERO_UNSUPPORTED = {
     "memory_efficient_linear": "not built",
     "ignore_unused_parameters": "DDP's find_unused_parameters is --find-unused-parameters",
 }
+
+
+def _zero_quantized(value: Any, ctx: Context) -> Outcome:
+    """ZeRO++'s qwZ / qgZ: --compression int8 at stages 2-3 quantises both FSDP2 collectives."""
+    if value in (False, None, "auto"):
+        return Outcome("applied", "", "off, as here")
+    if ctx.zero_stage() < 2:
+        return Outcome(
+            "unsupported", "", "ZeRO++ quantisation needs stage 2-3 (FSDP2's collectives) here"
+        )
+    ctx.set("compression.method", "int8")
+    return Outcome(
+        "mapped",
+        "compression.method",
+        "int8 with per-block (256) scales for both the parameter all-gather and the gradient "
+        "reduce-scatter (one flag for both; quantize_collectives(weights=, gradients=) picks one)",
+    )
 
 
 def _stage3_gather(value: Any, ctx: Context) -> Outcome:
@@ -521,6 +536,8 @@ RULES: dict[str, Rule] = {
     "zero_optimization.load_from_fp32_weights": _mapped("checkpoints hold the fp32 weights"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": _stage3_gather,
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": _stage3_gather,
+    "zero_optimization.zero_quantized_weights": _zero_quantized,
+    "zero_optimization.zero_quantized_gradients": _zero_quantized,
     **{f"zero_optimization.{k}": _unsupported(why) for k, why in _ZERO_UNSUPPORTED.items()},
     "tensorboard.*": _monitor_section("tensorboard"),
     "wandb.*": _monitor_section("wandb"),

@@ -14,14 +14,17 @@ __all__ = ["CompressionConfig"]
 
 @dataclass(kw_only=True, slots=True)
 class CompressionConfig:
-    """Gradient compression of the data-parallel gradient exchange (``zero_stage`` 0)."""
+    """Compression of the data-parallel exchange: DDP's gradients (``zero_stage`` 0), or FSDP2's
+    parameter all-gather and gradient reduce-scatter (``zero_stage`` 2 or 3, ``int8`` only)."""
 
     method: str = field(default="none", metadata={"flags": ["--compression"]})
     """none|fp16|bf16|int8|natural|bimodal|topk:R|randomk:R|sketch:R|threshold:T|sign|sign:vote|
     ternary|powersgd:RANK|ef21:<spec>|zstd:<spec>|auto|auto:zstd. Lossy methods trade bytes on
     the wire for gradient error; biased ones (topk, randomk, sketch, threshold, sign, bimodal,
     powersgd) use error feedback by default; ``zstd:<spec>`` adds a lossless stage after a method;
-    ``auto`` picks per bucket from measured bandwidth and compute time. See docs/compression.md."""
+    ``auto`` picks per bucket from measured bandwidth and compute time. With ``--zero-stage 2|3``
+    only ``int8`` applies: block-quantised FSDP2 parameter all-gather and gradient reduce-scatter
+    (ZeRO++'s qwZ/qgZ, 3.9x fewer bytes). See docs/compression.md."""
     error_feedback: str = field(default="default", metadata={"flags": ["--error-feedback"]})
     """``default`` (on for topk, randomk, threshold, sign, powersgd), ``on`` or ``off``:
     accumulate what was not sent and add it to the next gradient."""

@@ -1,7 +1,8 @@
 """The engine's gradient compression: attach to the model, exchange, summarise.
 
 ``GradCompression(section, zero_stage=..., algorithm=..., seed=...)`` validates the combination
-(data-parallel exchange at ZeRO stage 0 only). ``attach(model, base, prime=...)`` registers the
+(any method on DDP's exchange at ZeRO stage 0; at stages 2-3 ``int8`` only, as block-quantised
+FSDP2 all-gather and reduce-scatter, ZeRO++'s qwZ/qgZ, installed by ``attach``). ``attach(model, base, prime=...)`` registers the
 compression hook on a DDP model and makes DDP re-bucket before the first step
 (:func:`prime_buckets`: one forward/backward on a sample, so compressor state never meets a
 second bucket layout, in a run or after a resume). Without DDP (tensor parallelism, pipeline
@@ -31,24 +32,35 @@ from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
 from torsh_distributed.compression.spec import parse_spec
 from torsh_distributed.engine._comm import world_or_group
+from torsh_distributed.parallel.sharded import QuantStats, quantize_collectives
 
 __all__ = ["GradCompression", "check_compression"]
 
 
 def check_compression(section: CompressionConfig, *, zero_stage: int) -> None:
-    """Reject combinations compression cannot honour.
+    """Reject combinations compression cannot honour, naming what works instead.
 
     Raises:
-        ValueError: compression with a ZeRO stage other than 0 (FSDP/ZeRO reduce-scatter
-            gradients; compression hooks DDP's all-reduce).
+        ValueError: at ZeRO stage 1 (ZeroRedundancyOptimizer) any method; at stages 2-3 any
+            method but ``int8`` (FSDP2 reduce-scatters gradients and all-gathers parameters: only
+            the block-quantised collectives apply there).
     """
     if not section.enabled:
         return
-    stage = zero_stage
-    if stage != 0:
+    stage, method = zero_stage, str(parse_spec(section.method))
+    if stage == 1:
         raise ValueError(
-            f"--compression {section.method} applies to DDP (parallel.zero_stage 0) only; "
-            f"got --zero-stage {stage}. Use --compression none with ZeRO/FSDP"
+            f"--compression {method} applies to DDP (parallel.zero_stage 0) or, as int8 "
+            "quantised collectives, to FSDP2 (zero_stage 2|3); got --zero-stage 1. Use "
+            f"--zero-stage 0 --compression {method}, or --zero-stage 2 --compression int8"
+        )
+    if stage >= 2 and method != "int8":
+        raise ValueError(
+            f"--compression {method} applies to DDP (parallel.zero_stage 0) only; got "
+            f"--zero-stage {stage}, where FSDP2 reduce-scatters gradients and all-gathers "
+            f"parameters. Use --compression int8 with --zero-stage {stage} (block-quantised "
+            f"all-gather and reduce-scatter, ZeRO++'s qwZ/qgZ), or --zero-stage 0 --compression "
+            f"{method}"
         )
 
 
@@ -57,7 +69,7 @@ class GradCompression:
 
     Args:
         section: The ``compression`` section.
-        zero_stage: ZeRO stage of the run (compression needs 0).
+        zero_stage: ZeRO stage of the run (0: any method; 2-3: ``int8`` collectives).
         algorithm: ``comm.algorithm`` (the facade algorithm compressed sums go through; ``""``).
         seed: Seed of the randomised methods (randomk, stochastic rounding).
     """
@@ -67,6 +79,22 @@ class GradCompression:
     ) -> None:
         check_compression(section, zero_stage=zero_stage)
         self.section = section
+        self.zero_stage = zero_stage
+        self.quantized: QuantStats | None = None
+        """Bytes of the int8 FSDP2 collectives (zero_stage 2-3), when installed."""
+        if section.enabled and zero_stage >= 2:
+            for name, value, default in (
+                ("--compression-warmup", section.warmup_steps, 0),
+                ("--error-feedback", section.error_feedback, "default"),
+                ("--stochastic-rounding", section.stochastic_rounding, False),
+            ):
+                if value != default:
+                    warnings.warn(
+                        f"{name} is ignored with --zero-stage {zero_stage} --compression int8: "
+                        "the quantised collectives round to nearest from the first step and keep "
+                        "no error state",
+                        stacklevel=2,
+                    )
         self.algorithm = algorithm
         self.seed = seed
         self.hook: CompressionHook | None = None
@@ -85,6 +113,9 @@ class GradCompression:
         if not self.section.enabled:
             if isinstance(model, nn.parallel.DistributedDataParallel):
                 self._count_dense_steps(model, base)
+            return
+        if self.zero_stage >= 2:
+            self.quantized = quantize_collectives(base)
             return
         if not isinstance(model, nn.parallel.DistributedDataParallel):
             warnings.warn(
@@ -116,6 +147,12 @@ class GradCompression:
         """
         if not self.section.enabled:
             return
+        if self.zero_stage >= 2:
+            raise ValueError(
+                f"--zero-stage {self.zero_stage} --compression int8 (quantised FSDP2 collectives) "
+                "needs tp 1 and pp 1; with tensor or pipeline parallelism use --zero-stage 0 "
+                "--compression int8 (the data-parallel exchange of the local shards)"
+            )
         if group is None:
             warnings.warn(
                 f"--compression {self.section.method} is ignored with dp 1: there is no "
@@ -186,6 +223,12 @@ class GradCompression:
 
     def summary(self) -> dict[str, Any]:
         """``{"method", "bytes_uncompressed", "bytes_sent", "ratio", "seconds", ...}`` of this rank."""
+        if self.quantized is not None:  # int8 FSDP2 collectives (ZeRO-2/3)
+            return {
+                "method": "int8",
+                "collectives": "fsdp2 all-gather + reduce-scatter (block-quantised)",
+                **self.quantized.as_dict(),
+            }
         if self.hook is None:  # none: DDP's fp32 all-reduce, bytes from the parameter count
             dense = self._dense_bytes * self._dense_steps
             return {

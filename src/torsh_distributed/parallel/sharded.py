@@ -19,6 +19,10 @@ one parameter's state; :mod:`.memory` reports the imbalance.
 Stage 2 on FSDP2 keeps the parameters gathered from forward until each unit's backward and
 reshards after backward; between steps only shards are held (see docs/sharding.md for how this
 differs from the paper's ZeRO-2, which keeps replicated parameters at all times).
+
+:func:`quantize_collectives` (machinery in :mod:`._quantized_zero`) gives the FSDP2 units int8
+block-quantised all-gather and reduce-scatter (ZeRO++'s qwZ / qgZ; ``--compression int8`` at
+stages 2-3): about 3.9x fewer bytes in both collectives.
 """
 
 from __future__ import annotations
@@ -37,7 +41,16 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-__all__ = ["apply_fsdp", "shard_optimizer", "select_units", "DTYPES"]
+from torsh_distributed.parallel._quantized_zero import QuantStats, quantize_collectives
+
+__all__ = [
+    "DTYPES",
+    "QuantStats",
+    "apply_fsdp",
+    "quantize_collectives",
+    "select_units",
+    "shard_optimizer",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -7,10 +7,11 @@ Usage::
 For each world size, the ranks start on ``gloo+shm`` and also open a plain Gloo group over the
 same ranks; every size is measured on both, call by call in a fresh random order per iteration
 (the same on every rank), each call timed from a barrier; a call lasts as long as its slowest
-rank; the median is kept. ``busbw = size / time * 2 (n - 1) / n`` (nccl-tests). In the same run
-rank 0 measures the single-thread memory-copy bound: ``dst.copy_(src)`` of 32 MB float32 tensors,
-``torch.set_num_threads(1)``, bytes copied per second (median of 10). Prints a Markdown table
-with the load average beside it; ranks run with ``OMP_NUM_THREADS=1``.
+rank; the median is kept. ``busbw = size / time * 2 (n - 1) / n`` (nccl-tests). In the same run,
+after each size's calls (the other ranks waiting in a barrier), rank 0 measures the single-thread
+memory-copy bound at that size: ``dst.copy_(src)`` of two float32 tensors of the size,
+``torch.set_num_threads(1)``, bytes copied per second (median). Prints a Markdown table with the
+load average beside it; ranks run with ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from torsh_distributed.cli.bench import parse_size  # noqa: E402
 from torsh_distributed.testing import run_distributed  # noqa: E402
 
 
-def _memcpy_bound(nbytes: int = 32 << 20, repeats: int = 10) -> float:
+def _memcpy_bound(nbytes: int, repeats: int) -> float:
     torch.set_num_threads(1)
-    src = torch.ones(nbytes // 4)
+    src = torch.ones(max(nbytes // 4, 1))
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
@@ -43,7 +44,7 @@ def _memcpy_bound(nbytes: int = 32 << 20, repeats: int = 10) -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
+    return src.numel() * 4 / statistics.median(times)
 
 
 def _iters(nbytes: int) -> int:
@@ -56,7 +57,6 @@ def _rank_body(sizes: list[int], warmup: int) -> dict:
     gloo = dist.new_group(backend="gloo")
     groups = {"gloo+shm": None, "gloo": gloo}
     rows = []
-    memcpy = None
     for size in sizes:
         count = max(size // 4, 1)
         buf = torch.ones(count)
@@ -77,6 +77,9 @@ def _rank_body(sizes: list[int], warmup: int) -> dict:
         every = [torch.empty_like(mine) for _ in range(n)]
         dist.all_gather(every, mine, group=gloo)
         slowest = torch.stack(every).amax(dim=0)
+        dist.barrier(group=gloo)
+        memcpy = _memcpy_bound(size, max(_iters(size), 5)) if rank == 0 else 0.0
+        dist.barrier(group=gloo)
         for name, calls in zip(groups, slowest.tolist(), strict=True):
             t = statistics.median(calls)
             rows.append(
@@ -87,19 +90,17 @@ def _rank_body(sizes: list[int], warmup: int) -> dict:
                     "time_us": t * 1e6,
                     "busbw_GBps": count * 4 / t * 2 * (n - 1) / n / 1e9,
                     "calls": len(calls),
+                    "memcpy_GBps": memcpy / 1e9,
                 }
             )
-    dist.barrier(group=gloo)
-    if rank == 0:
-        memcpy = _memcpy_bound()
-    dist.barrier(group=gloo)
-    return {"rows": rows, "memcpy_GBps": memcpy / 1e9 if memcpy else None}
+    return {"rows": rows}
 
 
 def _table(results: dict[int, dict]) -> str:
     lines = [
-        "| ranks | size (B) | Gloo busbw (GB/s) | shm busbw (GB/s) | shm / Gloo | shm / memcpy |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| ranks | size (B) | Gloo busbw (GB/s) | shm busbw (GB/s) | shm / Gloo "
+        "| memcpy 1 thread (GB/s) | shm / memcpy |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, res in results.items():
         by = {(r["impl"], r["size"]): r for r in res["rows"]}
@@ -107,8 +108,8 @@ def _table(results: dict[int, dict]) -> str:
             g, s = by[("gloo", size)], by[("gloo+shm", size)]
             lines.append(
                 f"| {n} | {size} | {g['busbw_GBps']:.3f} | {s['busbw_GBps']:.3f} | "
-                f"{s['busbw_GBps'] / g['busbw_GBps']:.2f} | "
-                f"{s['busbw_GBps'] / res['memcpy_GBps']:.2f} |"
+                f"{s['busbw_GBps'] / g['busbw_GBps']:.2f} | {s['memcpy_GBps']:.2f} | "
+                f"{s['busbw_GBps'] / s['memcpy_GBps']:.2f} |"
             )
     return "\n".join(lines)
 

@@ -182,26 +182,31 @@ class ShmTransport:
     def _fold(
         self, out: torch.Tensor, sources: Sequence[torch.Tensor], op: str, divide: int
     ) -> None:
-        """``out = ((s0 op s1) op s2) ...`` (then / divide), in float32 for half types."""
+        """``out = ((s0 op s1) op s2) ...`` (then / divide), in float32 for half types.
+
+        ``out`` may be one of the sources (this rank's own data, read from its tensor rather than
+        from its slot): elementwise ops may write the input they read, but a source after the
+        first two would be overwritten before its turn, so then the fold goes through a buffer.
+        """
         fn = _FOLD[op]
         half = out.dtype in (torch.float16, torch.bfloat16)
-        acc = sources[0].float() if half else None
-        if acc is None:
-            if len(sources) == 1:
-                out.copy_(sources[0])
-            else:
-                fn(sources[0], sources[1], out=out)
-            rest = sources[2:]
-            target = out
-        else:
+        if half:
+            target = sources[0].float()
             rest = sources[1:]
-            target = acc
+        else:
+            late = any(src.data_ptr() == out.data_ptr() for src in sources[2:])
+            target = torch.empty_like(out) if late else out
+            if len(sources) == 1:
+                target.copy_(sources[0])
+            else:
+                fn(sources[0], sources[1], out=target)
+            rest = sources[2:]
         for src in rest:
             fn(target, src, out=target)
         if divide > 1:
             target.div_(divide)
-        if acc is not None:
-            out.copy_(acc)
+        if target is not out:
+            out.copy_(target)
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -227,14 +232,20 @@ class ShmTransport:
             count = min(step, n - lo)
             parity = self._next_parity()
             chunk = flat[lo : lo + count]
-            self._slot(self.rank, parity, flat.dtype, count).copy_(chunk)
-            self._phase(name)
+            mine = self._slot(self.rank, parity, flat.dtype, count)
             bounds = self._parts(count, flat.dtype)
             a, b = bounds[self.rank], bounds[self.rank + 1]
+            # publish the parts the others reduce; our own part we read from the tensor
+            mine[:a].copy_(chunk[:a])
+            mine[b:].copy_(chunk[b:])
+            self._phase(name)
             if b > a:
-                sources = [self._slot(j, parity, flat.dtype, count)[a:b] for j in range(self.size)]
+                sources = [
+                    chunk[a:b] if j == self.rank else self._slot(j, parity, flat.dtype, count)[a:b]
+                    for j in range(self.size)
+                ]
                 self._fold(chunk[a:b], sources, op, divide)
-                self._slot(self.rank, parity, flat.dtype, count)[a:b].copy_(chunk[a:b])
+                mine[a:b].copy_(chunk[a:b])
             self._phase(name)
             for j in range(self.size):
                 a, b = bounds[j], bounds[j + 1]
@@ -252,7 +263,10 @@ class ShmTransport:
         count = flat.numel()
         self._slot(self.rank, parity, flat.dtype, count).copy_(flat)
         self._phase(f"all_reduce({op})")
-        sources = [self._slot(j, parity, flat.dtype, count) for j in range(self.size)]
+        sources = [
+            flat if j == self.rank else self._slot(j, parity, flat.dtype, count)
+            for j in range(self.size)
+        ]
         self._fold(flat, sources, op, divide)
 
     def reduce_scatter(
@@ -272,12 +286,17 @@ class ShmTransport:
         for lo in range(0, n, step):
             count = min(step, n - lo)
             parity = self._next_parity()
-            mine = self._slot(self.rank, parity, out.dtype, count * self.size)
-            mine.view(self.size, count).copy_(src[:, lo : lo + count])
-            self._phase(name)
             me = self.rank
+            mine = self._slot(me, parity, out.dtype, count * self.size).view(self.size, count)
+            mine[:me].copy_(src[:me, lo : lo + count])  # every part but ours, which we keep
+            mine[me + 1 :].copy_(src[me + 1 :, lo : lo + count])
+            self._phase(name)
             sources = [
-                self._slot(j, parity, out.dtype, count * self.size)[me * count : (me + 1) * count]
+                src[me, lo : lo + count]
+                if j == me
+                else self._slot(j, parity, out.dtype, count * self.size)[
+                    me * count : (me + 1) * count
+                ]
                 for j in range(self.size)
             ]
             self._fold(out[lo : lo + count], sources, op, divide)

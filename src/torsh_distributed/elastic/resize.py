@@ -30,7 +30,15 @@ from typing import Any
 
 from torsh_distributed.elastic._options import LaunchOptions
 
-__all__ = ["SEGMENT_ENV", "Segment", "append_record", "current_segment", "launch_resizing", "read_records"]
+__all__ = [
+    "SEGMENT_ENV",
+    "Segment",
+    "append_record",
+    "current_segment",
+    "launch_resizing",
+    "launch_resizing_nodes",
+    "read_records",
+]
 
 SEGMENT_ENV = "TORSH_RESIZE_SEGMENT"
 """Set by :func:`launch_resizing` for the workers: this segment as JSON (see :class:`Segment`)."""
@@ -144,3 +152,123 @@ def launch_resizing(
             index += 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def launch_resizing_nodes(
+    options: LaunchOptions,
+    *,
+    choose: Choose,
+    node_counts: Sequence[int],
+    module: str,
+    args: Sequence[str] = (),
+    write: Callable[[str], None] = print,
+    poll_s: float = 0.5,
+) -> int:
+    """The segments of :func:`launch_resizing` over whole nodes: each segment runs on the first
+    N nodes (``node_rank < N``), N chosen by node 0 at each launch; the other nodes wait.
+
+    Every node runs this with the same ``options`` except ``node_rank``. Node 0 hosts a small
+    coordination store on ``master_addr:master_port`` (a ``TCPStore``, unauthenticated like every
+    torch store: keep it on a private network) and publishes each segment there: its node count,
+    the fresh port of its own static rendezvous, and why. The nodes of a segment launch their
+    workers (``nproc_per_node`` each) on that rendezvous; when it ends, node 0 reads the job's
+    segment log (the job's rank 0 runs on node 0) and publishes the next segment or the end.
+    Checkpoints must be on storage every node reads (the next segment resumes from them).
+
+    Returns:
+        As :func:`launch_resizing`: node 0's first non-zero segment status (every node returns
+        it), else 0.
+
+    Raises:
+        ValueError: ``choose`` gave a world size that is not a whole number of nodes in
+            ``node_counts``.
+        ProcessFailureError: a waiting node lost node 0's store (its launcher died).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from torsh_distributed.elastic.launch import launch
+    from torsh_distributed.runtime.errors import ProcessFailureError
+
+    per_node = options.nproc_per_node
+    allowed = sorted(set(node_counts))
+    sizes = [n * per_node for n in allowed]
+    host, port, me = options.master_addr, options.master_port or 29500, options.node_rank
+    store = dist.TCPStore(host, port, is_master=me == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(options.master_timeout, 60.0)))
+
+    def run(segment: Segment, nodes: int, seg_port: int) -> int:
+        env = {**options.env, SEGMENT_ENV: json.dumps(dataclasses.asdict(segment))}
+        return launch(dataclasses.replace(options, nnodes=str(nodes), node_rank=me, master_port=seg_port,
+                                          rdzv_endpoint=None, rdzv_backend="static", env=env),
+                      module=module, args=args)
+
+    if me == 0:
+        work = tempfile.mkdtemp(prefix="torsh-resize-")
+        log = os.path.join(work, "segments.jsonl")
+        code, index = 1, 0  # 1 if choose() fails before any segment ran
+        try:
+            while True:
+                now = time.time()
+                size, why = choose(now)
+                if size not in sizes:
+                    raise ValueError(f"choose gave world size {size}, not one of {sizes} ({per_node} per node)")
+                nodes = size // per_node
+                segment = Segment(index=index, world_size=size, sizes=sizes, launched_unix_s=now,
+                                  why=dict(why), log=log)
+                seg_port = _free_port(host)
+                store.set(f"segment/{index}", json.dumps({"nodes": nodes, "port": seg_port,
+                                                         "segment": dataclasses.asdict(segment)}))
+                reason = why.get("text", "")
+                write(f"torsh-dist: segment {index}: {nodes} node(s) x {per_node} worker(s)"
+                      f"{f' ({reason})' if reason else ''}")
+                sys.stdout.flush()
+                code = run(segment, nodes, seg_port)
+                records = read_records(log)
+                if code or len(records) <= index or not records[index].get("stop"):
+                    break
+                index += 1
+        finally:
+            store.set("end", json.dumps({"code": code}))  # after every segment key: see below
+            deadline = time.monotonic() + 30.0  # keep the store up until the others read the end
+            while time.monotonic() < deadline and store.add("followers_done", 0) < max(allowed) - 1:
+                time.sleep(poll_s)
+            shutil.rmtree(work, ignore_errors=True)
+        return code
+
+    def ask(op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except (RuntimeError, dist.DistStoreError) as exc:  # node 0's launcher has ended
+            raise ProcessFailureError(
+                f"node {me}: lost node 0's segment store at {host}:{port} ({exc}); its launcher has ended"
+            ) from None
+
+    index = 0
+    while True:  # a segment may run for hours: poll node 0's store
+        key = f"segment/{index}"
+        if ask(lambda key=key: store.check([key])):
+            data = json.loads(ask(lambda key=key: store.get(key)))
+            if me < data["nodes"]:
+                write(f"torsh-dist: node {me}: segment {index}: joins {data['nodes']} node(s)")
+                sys.stdout.flush()
+                run(Segment(**data["segment"]), data["nodes"], data["port"])  # node 0 reports its status
+            else:
+                write(f"torsh-dist: node {me}: segment {index}: waits ({data['nodes']} node(s) run it)")
+                sys.stdout.flush()
+            index += 1
+        elif ask(lambda: store.check(["end"])):  # set after the last segment's key: none is missed
+            code = int(json.loads(ask(lambda: store.get("end")))["code"])
+            ask(lambda: store.add("followers_done", 1))
+            return code
+        else:
+            time.sleep(poll_s)
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -55,7 +55,7 @@ class CarbonControl:
         if carbon.scale and self.segment is None and main:
             warnings.warn(
                 "carbon.scale is ignored: changing the world size needs `torsh-dist train "
-                "--nproc-per-node MIN:MAX`, which restarts the workers (this job was launched "
+                "--nproc-per-node MIN:MAX` (or --nnodes MIN:MAX), which restarts the workers (this job was launched "
                 "another way); it runs at its launch size",
                 stacklevel=2,
             )

@@ -235,3 +235,58 @@ def test_auto_zstd_stacks_the_lossless_stage_only_where_the_link_pays_for_it():
 
     assert decide(1 / 12.5e6) == {"zstd:int8"}  # 100 Mbit/s: 24 ms saved for 3 ms
     assert decide(1 / 1e9) == {"fp16"}  # 1 GB/s: 0.3 ms saved does not pay for 3 ms
+
+
+def test_zero_int8_refusals_and_ignored_settings_are_stated():
+    from torsh_distributed.compression import CompressionConfig
+    from torsh_distributed.engine._compression import GradCompression
+
+    with pytest.raises(ValueError, match=r"--compression sketch:0.1 applies to DDP .* Use "
+                       r"--compression int8 with --zero-stage 3 .* or --zero-stage 0"):
+        GradCompression(CompressionConfig(method="sketch:0.1"), zero_stage=3)
+    comp = GradCompression(CompressionConfig(method="int8"), zero_stage=2)
+    with pytest.raises(ValueError, match="needs tp 1 and pp 1; with tensor or pipeline"):
+        comp.attach_flat(None)
+    with pytest.warns(UserWarning, match="--compression-warmup is ignored with --zero-stage 2"):
+        GradCompression(CompressionConfig(method="int8", warmup_steps=5), zero_stage=2)
+    with pytest.raises(ValueError, match="quantised collectives need a model sharded by FSDP2"):
+        from torsh_distributed.parallel.sharded import quantize_collectives
+
+        quantize_collectives(torch.nn.Linear(2, 2))
+
+
+def test_deepspeed_zero_quantized_keys_map_to_int8_collectives():
+    from torsh_distributed.compat.deepspeed import import_deepspeed
+    from torsh_distributed.train import TrainConfig
+
+    ds = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                "zero_quantized_gradients": True}}
+    cfg, report = import_deepspeed(ds, TrainConfig(), world_size=2)
+    assert cfg.compression.method == "int8" and cfg.parallel.zero_stage == 3
+    status = {e.key: e.status for e in report.entries}
+    assert status["zero_optimization.zero_quantized_weights"] == "mapped"
+    assert status["zero_optimization.zero_quantized_gradients"] == "mapped"
+    ds = {"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}}
+    cfg, report = import_deepspeed(ds, TrainConfig(), world_size=2)
+    assert cfg.compression.method == "none"
+    [entry] = [e for e in report.entries if e.key.endswith("zero_quantized_gradients")]
+    assert entry.status == "unsupported" and "stage 2-3" in entry.note
+
+
+def test_block_quantiser_keeps_blocks_inside_parameters():
+    from torsh_distributed.parallel._quantized_zero import (
+        block_dequantize,
+        block_ids,
+        block_quantize,
+    )
+
+    ids, num_blocks = block_ids([3, 300, 5], 256)
+    assert num_blocks == 4 and ids[:3].tolist() == [0, 0, 0] and ids[-5:].tolist() == [3] * 5
+    # a LayerNorm-like segment of ones beside small weights: the small ones keep their precision
+    x = torch.cat([torch.ones(3), torch.randn(300) * 0.02, torch.ones(5)]).view(1, -1)
+    y = block_dequantize(*block_quantize(x, ids, num_blocks), ids)
+    small = x[0, 3:303]
+    assert float((y[0, 3:303] - small).abs().max()) <= float(small.abs().max()) / 254 + 1e-7
+    flat_ids, flat_blocks = block_ids([308], 256)  # blocks over the flat buffer: much worse
+    z = block_dequantize(*block_quantize(x, flat_ids, flat_blocks), flat_ids)
+    assert float((z[0, 3:256] - small[:253]).abs().max()) > 10 * float((y[0, 3:256] - small[:253]).abs().max())

@@ -19,7 +19,7 @@ Rule = Callable[[Any, Context], Outcome]
 
 _TYPES = {"onebitadam": "onebit_adam", "zerooneadam": "zerooneadam"}
 _DIFFERENCE = (
-    "AdamW's bias correction and decoupled weight decay; 1-bit codes carry one scale per 256 "
+    "AdamW's bias correction and decoupled weight decay; 1-bit codes carry one scale per 64 "
     "entries (DeepSpeed: one per tensor)"
 )
 

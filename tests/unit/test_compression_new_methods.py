@@ -200,7 +200,7 @@ def test_new_specs_parse_round_trip_and_build(spec):
     parsed = parse_spec(spec)
     assert parse_spec(str(parsed)) == parsed and str(parsed) == spec
     comp = build_compressor(spec, seed=1)
-    assert comp.name == ("auto" if spec.startswith("auto") else spec)
+    assert comp.name == spec
     if spec == "auto:zstd":
         assert comp.ladder == list(LADDER_ZSTD)
     blob = io.BytesIO()

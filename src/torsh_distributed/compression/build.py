@@ -32,7 +32,9 @@ def build_compressor(
     if parsed.kind == "auto":
         if error_feedback:
             raise ValueError(f"error_feedback does not apply to compression {parsed}")
-        return Adaptive(ladder=LADDER if parsed.inner is None else LADDER_ZSTD, seed=seed)
+        auto = Adaptive(ladder=LADDER if parsed.inner is None else LADDER_ZSTD, seed=seed)
+        auto.name = str(parsed)  # auto or auto:zstd, as summaries and checkpoints name it
+        return auto
     return build_fixed(
         parsed, error_feedback=error_feedback, stochastic_rounding=stochastic_rounding, seed=seed
     )

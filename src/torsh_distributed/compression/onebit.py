@@ -142,6 +142,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # new gradients are local until synchronised (a step the loss scaler skipped left the flag)
+        self._mean_ready = False
+        super().zero_grad(set_to_none=set_to_none)
+
     def _grads(self) -> list[torch.Tensor]:
         out = []
         for p in self.params:

@@ -8,6 +8,8 @@ in total and after the warm-up (``freeze_step``), against DDP's fp32 all-reduce 
 steps.
 
     python benchmarks/bench_onebit_adam.py --steps 60 --freeze 15,20 --seeds 1234,1,2
+    # the 10.9 M model of the network-lab benchmark (d_model 384, 6 layers, 6 heads, context 64)
+    python benchmarks/bench_onebit_adam.py --steps 200 --model 384,6,6,64 --lr 1e-3 --freeze 50 --topk ""
 
 Loss is deterministic given the seed; bytes are counted, not timed.
 """
@@ -20,9 +22,14 @@ from torsh_distributed.testing import run_distributed
 from torsh_distributed.train import TrainConfig, preset, train
 
 
-def _config(method: str, steps: int, seed: int) -> dict:
+def _config(method: str, steps: int, seed: int, args: argparse.Namespace) -> dict:
     cfg = preset("tiny")
     cfg.max_steps, cfg.batch_size, cfg.seed = steps, 8, seed
+    if args.model:
+        m = cfg.model
+        m.d_model, m.n_layer, m.n_head, m.block_size = (int(v) for v in args.model.split(","))
+    if args.lr:
+        cfg.optim.lr = args.lr
     cfg.progress = False
     cfg.eval_batches = 8
     name, _, freeze = method.partition("@")
@@ -48,14 +55,17 @@ def main() -> None:
     parser.add_argument("--freeze", default="15", help="comma-separated freeze steps")
     parser.add_argument("--seeds", default="1234")
     parser.add_argument("--topk", default="topk:0.01", help="a compressor under AdamW to compare ('' skips)")
+    parser.add_argument("--model", default="", help="d_model,n_layer,n_head,block_size (default: tiny)")
+    parser.add_argument("--lr", type=float, default=0.0, help="peak lr (default: the preset's 3e-3)")
     args = parser.parse_args()
     freezes = [int(f) for f in args.freeze.split(",")]
     methods = ["adamw", *([args.topk] if args.topk else [])]
     methods += [f"{name}@{f}" for f in freezes for name in ("onebit_adam", "zerooneadam")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = {f"{seed}|{m}": _config(m, args.steps, seed) for seed in seeds for m in methods}
+    runs = {f"{seed}|{m}": _config(m, args.steps, seed, args) for seed in seeds for m in methods}
     out = run_distributed(_rank, 2, args=(runs,), timeout=7200)[0]
-    print(f"2 ranks, tiny preset, {args.steps} steps, validation loss gap vs uncompressed AdamW\n")
+    model = f"model {args.model}" if args.model else "tiny preset"
+    print(f"2 ranks, {model}, {args.steps} steps, validation loss gap vs uncompressed AdamW\n")
     print("| method | freeze | seed | val loss | gap | bytes sent | ratio | after freeze: bytes | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seed in seeds:

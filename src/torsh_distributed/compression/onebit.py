@@ -490,8 +490,8 @@ class ZeroOneAdam(OneBitOptimizer):
             denom = st["exp_avg_sq"].sqrt().div_(math.sqrt(bc2)).add_(group["eps"])
             anchor.mul_(self._decay[gi]).addcdiv_(acc, denom, value=-1.0)
             p.copy_(anchor)
-            # the mean momentum over the interval, bias correction undone
-            st["exp_avg"].copy_(acc).mul_((1 - group["betas"][0] ** t) / self._lrs[gi])
+            if self._lrs[gi] > 0:  # the mean momentum over the interval, bias correction undone
+                st["exp_avg"].copy_(acc).mul_((1 - group["betas"][0] ** t) / self._lrs[gi])
             acc.zero_()
         n = len(self.param_groups)
         self._lrs, self._decay = [0.0] * n, [1.0] * n

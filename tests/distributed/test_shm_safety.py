@@ -10,6 +10,7 @@ import os
 import signal
 import struct
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torsh_distributed.runtime import _shm_segment as segment_module
 from torsh_distributed.runtime import world
 from torsh_distributed.runtime.errors import DistributedTimeoutError
 from torsh_distributed.runtime.shm import cleanup_stale_segments
@@ -86,3 +88,32 @@ def test_stale_segments_of_dead_jobs_are_removed_live_ones_kept(tmp_path):
     other.write_bytes(b"x")
     assert cleanup_stale_segments(tmp_path) == [stale.name]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+# The module needs only the standard library: loaded by path, the child starts in milliseconds.
+_CREATE = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("_shm_segment", sys.argv[2])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["_shm_segment"] = mod
+spec.loader.exec_module(mod)
+Segment, new_name = mod.Segment, mod.new_name
+seg = Segment.create(new_name(), size=8192, num_ranks=2)
+print(seg.name, flush=True)
+if sys.argv[1] == "term":
+    os.kill(os.getpid(), signal.SIGTERM)  # dies by the signal after unlinking
+"""
+
+
+@pytest.mark.parametrize("how", ["term", "exit"])
+def test_a_segment_not_yet_attached_is_unlinked_on_sigterm_and_exit(how):
+    done = subprocess.run(
+        [sys.executable, "-c", _CREATE, how, segment_module.__file__],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    name = done.stdout.strip()
+    assert name.startswith("torsh-shm-") and len(name.rsplit("-", 1)[1]) == 32, done.stderr
+    assert done.returncode == (-signal.SIGTERM if how == "term" else 0), done.stderr
+    assert not (Path("/dev/shm") / name).exists()

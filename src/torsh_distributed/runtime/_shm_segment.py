@@ -70,7 +70,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)
-    else:
+    elif previous != signal.SIG_IGN:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -82,7 +82,7 @@ def _guard(path: Path) -> None:
     if threading.current_thread() is threading.main_thread() and _previous_sigterm is None:
         current = signal.getsignal(signal.SIGTERM)
         if current is not _on_sigterm:
-            _previous_sigterm = current if callable(current) else signal.SIG_DFL
+            _previous_sigterm = current if current is not None else signal.SIG_DFL
             signal.signal(signal.SIGTERM, _on_sigterm)
 
 

@@ -77,7 +77,7 @@ def test_the_1bit_allreduce_agrees_on_every_rank_and_error_feedback_loses_nothin
 def _user_loop(mode: str, freeze: int, steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from torsh_distributed.compression.onebit import OneBitAdam, replace_ddp_allreduce
+    from torsh_distributed.compression.onebit import OneBitAdam, ZeroOneAdam, replace_ddp_allreduce
     from torsh_distributed.testing import models as M
 
     torch.manual_seed(dist.get_rank() + 7)  # different initial weights: the broadcast must fix them
@@ -89,6 +89,11 @@ def _user_loop(mode: str, freeze: int, steps: int) -> dict:
         model = M.mlp()
         net = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), foreach=True, **kw)
+    elif mode == "zero_one":  # intervals of local steps 1, 1, 2, 2, 4, ... after step 3
+        opt = ZeroOneAdam(model.parameters(), var_freeze_step=freeze, var_update_scaler=2,
+                          local_step_scaler=2, local_step_clipper=4, **kw)
+        net = DDP(model)
+        replace_ddp_allreduce(net, opt)
     else:
         opt = OneBitAdam(model.parameters(), freeze_step=freeze, **kw)
         net = DDP(model) if mode == "ddp" else model
@@ -118,6 +123,7 @@ def _user_loops() -> dict:
         "bare": _user_loop("bare", 3, 12),
         "warm": _user_loop("ddp", 3, 3),
         "adamw": _user_loop("adamw", 0, 3),
+        "zero_one": _user_loop("zero_one", 3, 12),  # step 12 ends an interval of 4 local steps
     }
 
 
@@ -128,6 +134,8 @@ def test_a_users_own_loop_with_or_without_ddp(loops):
     assert same(r0["ddp"]["params"], r0["bare"]["params"]), "DDP + hook and the bare loop differ"
     assert r0["ddp"]["losses"] == r0["bare"]["losses"]
     assert same(r0["warm"]["params"], r0["adamw"]["params"]), "the warm-up is not AdamW under DDP"
+    assert same(r0["zero_one"]["params"], r1["zero_one"]["params"]), "0/1 Adam's replicas differ after a sync"
+    assert r0["zero_one"]["summary"]["after_freeze"]["bytes_sent"] < r0["ddp"]["summary"]["after_freeze"]["bytes_sent"]
     s = r0["ddp"]["summary"]
     assert s == r0["bare"]["summary"] | {"seconds": s["seconds"]}
     after = s["after_freeze"]

@@ -25,8 +25,11 @@ After such an error the transport is broken (ranks are out of step) and refuses 
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -56,6 +59,20 @@ _FOLD: dict[str, Callable[..., torch.Tensor]] = {
     "min": torch.minimum,
     "max": torch.maximum,
 }
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialised(method: _F) -> _F:
+    """One collective at a time per transport: a second thread waits instead of mixing slots."""
+
+    @functools.wraps(method)
+    def call(self: ShmTransport, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def _layout(num_ranks: int) -> int:
@@ -112,6 +129,7 @@ class ShmTransport:
         self._seq = 0
         self._chunks = 0
         self._broken: str | None = None
+        self._lock = threading.Lock()
         base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm))
         self._flags = Flags(base + HEADER_BYTES, self.size, lib)
         raw = torch.frombuffer(segment.mm, dtype=torch.uint8)
@@ -160,6 +178,7 @@ class ShmTransport:
                     "collectives in the same order.",
                 )
 
+    @_serialised
     def barrier(self) -> None:
         self._phase("barrier")
 
@@ -210,6 +229,7 @@ class ShmTransport:
 
     # -- collectives -----------------------------------------------------------------------
 
+    @_serialised
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, divide: int = 0) -> None:
         """Reduce ``tensor`` (flat view of a contiguous tensor) across the node, in place.
 
@@ -269,6 +289,7 @@ class ShmTransport:
         ]
         self._fold(flat, sources, op, divide)
 
+    @_serialised
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, divide: int = 0
     ) -> None:
@@ -301,6 +322,7 @@ class ShmTransport:
             ]
             self._fold(out[lo : lo + count], sources, op, divide)
 
+    @_serialised
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` (size x n elements) = every rank's ``input`` (n elements), in rank order."""
         src = input.view(-1)
@@ -320,6 +342,7 @@ class ShmTransport:
                 part = src[lo : lo + count] if mine else self._slot(j, parity, src.dtype, count)
                 out[j, lo : lo + count].copy_(part)
 
+    @_serialised
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Copy local rank ``root``'s ``tensor`` into every rank's, in place."""
         flat = tensor.view(-1)

@@ -121,7 +121,7 @@ class ShmProcessGroup(ProcessGroup):
     ) -> None:
         super().__init__(rank, size)
         self.counts: Counter[str] = Counter()
-        """Calls per path (``"shm all_reduce"``, ``"gloo allgather"``, ...): what took the fast path."""
+        """Calls per path (``"shm allreduce"``, ``"gloo alltoall"``, ...): what took the fast path."""
         self._timeout_s = timeout.total_seconds()
         self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, self._gloo)

@@ -136,6 +136,9 @@ class Segment:
         _guard(path)
         try:
             os.ftruncate(fd, size)
+            # Reserve the pages now: a /dev/shm too small for the segment (docker's default is
+            # 64 MiB) fails here with ENOSPC, not later with SIGBUS inside a collective.
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             _unlink_pending()

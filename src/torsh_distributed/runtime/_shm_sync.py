@@ -12,8 +12,11 @@ stores from Python (its memory model is TSO: stores are not reordered with store
 loads, and a Python-level call boundary stops the compiler reordering); other architectures
 then refuse the backend.
 
-Waiting spins briefly, then yields the core, then sleeps 50 us at a time: ranks often outnumber
-cores on a shared CPU host, and a spinning waiter would steal the cycles of the rank it waits for.
+Waiting spins briefly, yields the core a few hundred times, then sleeps in the kernel (a futex
+on the laggard's flag, which its owner's store wakes when someone sleeps on it): ranks often
+outnumber cores on a shared CPU host, and a polling waiter takes the cycles of the rank it
+waits for. A rank waiting 2 s in a barrier used 0.013 s of CPU this way, against 0.22 s when
+it polled every 50 us; all-reduce bandwidth moved by less than the load noise of the 2-core VM.
 """
 
 from __future__ import annotations
@@ -36,20 +39,36 @@ FLAG_BYTES = 64  # one cache line per rank: no false sharing between writers
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <limits.h>
 #include <sched.h>
 #include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
 
+/* The futex word is the low half of a flag (the counter's low 32 bits change every phase). */
+static int32_t *word(int64_t *p) {
+    return (int32_t *)p + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__);
+}
+
+/* p[1] (same cache line) counts the ranks asleep on p: the store wakes only when there are some.
+   Both sides are sequentially consistent (store flag / load sleepers against add sleepers /
+   load flag), so a sleeper either sees the new value or is counted and woken. */
 void torsh_store(int64_t *p, int64_t v) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(p + 1, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, word(p), FUTEX_WAKE, INT_MAX, 0, 0, 0);
 }
 
 int64_t torsh_load(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
 /* Wait until base[i * stride] >= target for every i < n, for at most budget_ns.
-   Returns -1 when all arrived, else the first index that has not. */
+   Returns -1 when all arrived, else the first index that has not. Spins briefly, yields the
+   core a few hundred times, then sleeps in the kernel on the laggard's flag until its owner's
+   store wakes it (or 10 ms pass). */
 int torsh_wait_all(int64_t *base, int stride, int n, int64_t target, int64_t budget_ns) {
-    struct timespec t0, now, nap = {0, 50000};
+    struct timespec t0, now;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     int first = 0;
     for (uint64_t spin = 0;; spin++) {
@@ -61,7 +80,16 @@ int torsh_wait_all(int64_t *base, int stride, int n, int64_t target, int64_t bud
         clock_gettime(CLOCK_MONOTONIC, &now);
         int64_t spent = (now.tv_sec - t0.tv_sec) * 1000000000LL + (now.tv_nsec - t0.tv_nsec);
         if (spent >= budget_ns) return first;
-        nanosleep(&nap, 0);
+        int64_t *flag = base + (int64_t)first * stride;
+        int32_t seen = __atomic_load_n(word(flag), __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(flag + 1, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(flag, __ATOMIC_SEQ_CST) < target) {
+            int64_t left = budget_ns - spent;
+            if (left > 10000000LL) left = 10000000LL;
+            struct timespec nap = {0, (long)left};
+            syscall(SYS_futex, word(flag), FUTEX_WAIT, seen, &nap, 0, 0);
+        }
+        __atomic_sub_fetch(flag + 1, 1, __ATOMIC_SEQ_CST);
     }
 }
 """

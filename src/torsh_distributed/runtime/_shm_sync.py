@@ -3,7 +3,7 @@
 A rank publishes "my data for phase ``k`` is in my slot" by storing ``k`` into its own 64-byte
 flag; peers wait until every flag reaches ``k`` before reading. Correctness needs the data stores
 to be visible before the flag store (release) and the flag load to happen before the data loads
-(acquire). Python cannot say that, so a 40-line C helper does: a full fence then a release store
+(acquire). Python cannot say that, so a small C helper does: a full fence then a release store
 (the fence also orders the non-temporal stores a large ``memcpy`` may use), and an acquire load
 in the wait loop. It is compiled with the system C compiler on first use (about 0.1 s, cached
 under ``$TORSH_CACHE_DIR`` or ``~/.cache/torsh_distributed``) and called through ``ctypes``, which
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -36,6 +37,7 @@ from torsh_distributed.runtime.errors import FeatureNotAvailableError
 __all__ = ["FLAG_BYTES", "Flags", "load_flags"]
 
 FLAG_BYTES = 64  # one cache line per rank: no false sharing between writers
+log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -192,6 +194,10 @@ def load_flags() -> ctypes.CDLL | None:
                 operation="shm init",
                 fix="install gcc (or set CC), or use backend='gloo'.",
             )
+        log.warning(
+            "gloo+shm: the C flag helper could not be built (no compiler, or TORSH_SHM_NO_CC=1): "
+            "using the x86-64 Python fallback (polling, more CPU while waiting)"
+        )
     else:
         lib = ctypes.CDLL(str(path))
         lib.torsh_store.argtypes = [ctypes.c_void_p, ctypes.c_int64]

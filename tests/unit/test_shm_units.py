@@ -1,4 +1,4 @@
-"""The cross-process flags of the shm backend, in one process: the compiled helper and the x86-64
+"""Single-process checks of the shm backend. The cross-process flags: the compiled helper and the x86-64
 Python fallback both publish, load and wait with a deadline, and a waiter returns as soon as another
 thread stores the flag (the wait releases the GIL; a waiter holding it would reach its deadline)."""
 
@@ -54,3 +54,36 @@ def test_a_waiter_is_woken_by_the_store(kind):
     elapsed = time.monotonic() - start
     timer.join()
     assert 0.15 <= elapsed < 2.0
+
+
+@pytest.fixture
+def _torch_backend_registry():
+    """Leave torch's backend registry as it was (this process runs other tests after us)."""
+    import torch.distributed as dist
+
+    B = dist.Backend
+    saved = (
+        dict(B._plugins),
+        list(B.backend_list),
+        dict(B.backend_type_map),
+        dict(B.backend_capability),
+        dict(B.default_device_backend_map),
+    )
+    yield
+    B._plugins, B.backend_list, B.backend_type_map = saved[0], saved[1], saved[2]
+    B.backend_capability, B.default_device_backend_map = saved[3], saved[4]
+
+
+def test_gloo_shm_is_a_backend_name_everywhere_a_backend_is_taken(_torch_backend_registry):
+    import torch.distributed as dist
+
+    from torsh_distributed.engine.config import EngineConfig
+    from torsh_distributed.runtime.world import resolve_backend
+
+    assert resolve_backend("GLOO+SHM") == "gloo+shm"
+    assert "GLOO+SHM" in dist.Backend._plugins  # registered on demand, for init_process_group
+    assert EngineConfig(backend="gloo+shm").backend == "gloo+shm"
+    with pytest.raises(ValueError, match="backend must be one of auto, gloo, nccl, gloo\\+shm"):
+        EngineConfig(backend="shm")
+    with pytest.raises(ValueError, match="unknown backend 'shm'; choose one of .*gloo\\+shm"):
+        resolve_backend("shm")

@@ -4,7 +4,8 @@ No ``TORSH_NODE_ASSIGNMENT``: the backend must see by itself that the namespaces
 (their network namespaces differ) and take shm inside each, Gloo between the two leaders. Every
 op and dtype is compared with a plain Gloo group over the same 4 ranks: integers, min and max
 exactly; floats against the documented hierarchical order (fold inside each node, then Gloo's
-sum of the node results between leaders) within one unit in the last place.
+sum of the node results between leaders) within one unit in the last place; all-gather and
+reduce-scatter (Gloo between nodes) exactly.
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ _RANK = textwrap.dedent(
         dist.all_gather_into_tensor(o, x)
         if not torch.equal(o, torch.cat(gather(x))):
             failures.append(f"all_gather {dtype}")
+        full = torch.arange(4 * n).to(dtype) + rank
+        part, ref_part = torch.empty(4, dtype=dtype), torch.empty(4, dtype=dtype)
+        dist.reduce_scatter_tensor(part, full)
+        dist.reduce_scatter_tensor(ref_part, full, group=gloo)
+        if not torch.equal(part, ref_part):
+            failures.append(f"reduce_scatter {dtype}")
     dist.barrier()
     avg = torch.full((10,), float(rank))
     dist.all_reduce(avg, op=dist.ReduceOp.AVG)

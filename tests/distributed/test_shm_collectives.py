@@ -140,6 +140,11 @@ def _matrix() -> tuple[list[str], int]:
                 if not torch.equal(b, everyone[root]):
                     failures.append(f"broadcast root={root} {dtype} n={size}")
             cases += 2 + n
+    # list all-gather into strided views of one tensor
+    big = torch.zeros(4, 2 * n)
+    dist.all_gather([big[:, 2 * j] for j in range(n)], torch.full((4,), float(rank)))
+    if not torch.equal(big[:, ::2], torch.arange(n, dtype=torch.float32).expand(4, n)):
+        failures.append(f"all_gather into strided outputs {big[0]}")
     # async handles, a barrier, and a sub-group (which gets its own segment)
     t = torch.full((3,), float(rank))
     dist.all_reduce(t, async_op=True).wait()

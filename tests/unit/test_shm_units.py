@@ -87,3 +87,14 @@ def test_gloo_shm_is_a_backend_name_everywhere_a_backend_is_taken(_torch_backend
         EngineConfig(backend="shm")
     with pytest.raises(ValueError, match="unknown backend 'shm'; choose one of .*gloo\\+shm"):
         resolve_backend("shm")
+
+
+@pytest.mark.parametrize("value", ["1000", "abc", "-4096"])
+def test_a_bad_slot_size_is_refused_before_any_group_is_made(monkeypatch, value):
+    from torsh_distributed.runtime._shm_backend import create
+
+    monkeypatch.setenv("TORSH_SHM_SLOT_BYTES", value)
+    with pytest.raises(
+        ValueError, match=f"TORSH_SHM_SLOT_BYTES must be a positive multiple of 4096, got '{value}'"
+    ):
+        create(None, None)

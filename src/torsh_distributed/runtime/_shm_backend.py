@@ -274,7 +274,7 @@ class ShmProcessGroup(ProcessGroup):
         flat = torch.empty((self.size(), inputs[0].numel()), dtype=inputs[0].dtype)
         self._transport.all_gather(flat, inputs[0])
         for j, out in enumerate(outputs[0]):
-            out.view(-1).copy_(flat[j])
+            out.copy_(flat[j].view(out.shape))  # outputs may be strided views
         self.counts["shm allgather"] += 1
         return _DoneWork(outputs[0])
 
@@ -323,9 +323,10 @@ class ShmProcessGroup(ProcessGroup):
 
 def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
     """torch's creator hook (``register_backend(..., extended_api=True)``)."""
-    slot = int(os.environ.get("TORSH_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    text = os.environ.get("TORSH_SHM_SLOT_BYTES", str(DEFAULT_SLOT_BYTES))
+    slot = int(text) if text.strip().isdigit() else 0
     if slot < 4096 or slot % 4096:
-        raise ValueError(f"TORSH_SHM_SLOT_BYTES must be a multiple of 4096, got {slot}")
+        raise ValueError(f"TORSH_SHM_SLOT_BYTES must be a positive multiple of 4096, got {text!r}")
     ranks = list(backend_opts.global_ranks_in_group) or list(range(backend_opts.group_size))
     return ShmProcessGroup(
         backend_opts.store,

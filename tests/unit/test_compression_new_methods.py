@@ -244,6 +244,12 @@ def test_zero_int8_refusals_and_ignored_settings_are_stated():
     with pytest.raises(ValueError, match=r"--compression sketch:0.1 applies to DDP .* Use "
                        r"--compression int8 with --zero-stage 3 .* or --zero-stage 0"):
         GradCompression(CompressionConfig(method="sketch:0.1"), zero_stage=3)
+    from torsh_distributed.engine._compression import check_compression
+
+    # the engine's plan (run by the CLI before launching) refuses int8 collectives with tp/pp
+    with pytest.raises(ValueError, match=r"needs tp 1 and pp 1; .* use --zero-stage 0"):
+        check_compression(CompressionConfig(method="int8"), zero_stage=3, model_parallel=True)
+    check_compression(CompressionConfig(method="int8"), zero_stage=0, model_parallel=True)
     comp = GradCompression(CompressionConfig(method="int8"), zero_stage=2)
     with pytest.raises(ValueError, match="needs tp 1 and pp 1; with tensor or pipeline"):
         comp.attach_flat(None)

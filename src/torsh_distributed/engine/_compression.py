@@ -37,13 +37,16 @@ from torsh_distributed.parallel.sharded import QuantStats, quantize_collectives
 __all__ = ["GradCompression", "check_compression"]
 
 
-def check_compression(section: CompressionConfig, *, zero_stage: int) -> None:
+def check_compression(
+    section: CompressionConfig, *, zero_stage: int, model_parallel: bool = False
+) -> None:
     """Reject combinations compression cannot honour, naming what works instead.
 
     Raises:
         ValueError: at ZeRO stage 1 (ZeroRedundancyOptimizer) any method; at stages 2-3 any
             method but ``int8`` (FSDP2 reduce-scatters gradients and all-gathers parameters: only
-            the block-quantised collectives apply there).
+            the block-quantised collectives apply there), or int8 collectives with tp/pp
+            (``model_parallel``).
     """
     if not section.enabled:
         return
@@ -62,6 +65,15 @@ def check_compression(section: CompressionConfig, *, zero_stage: int) -> None:
             f"all-gather and reduce-scatter, ZeRO++'s qwZ/qgZ), or --zero-stage 0 --compression "
             f"{method}"
         )
+    if stage >= 2 and model_parallel:
+        raise ValueError(_ZERO_MP)
+
+
+_ZERO_MP = (
+    "--zero-stage 2|3 --compression int8 (quantised FSDP2 collectives) needs tp 1 and pp 1; with "
+    "tensor or pipeline parallelism use --zero-stage 0 --compression int8 (the data-parallel "
+    "exchange of the local shards)"
+)
 
 
 class GradCompression:
@@ -148,11 +160,7 @@ class GradCompression:
         if not self.section.enabled:
             return
         if self.zero_stage >= 2:
-            raise ValueError(
-                f"--zero-stage {self.zero_stage} --compression int8 (quantised FSDP2 collectives) "
-                "needs tp 1 and pp 1; with tensor or pipeline parallelism use --zero-stage 0 "
-                "--compression int8 (the data-parallel exchange of the local shards)"
-            )
+            raise ValueError(_ZERO_MP)
         if group is None:
             warnings.warn(
                 f"--compression {self.section.method} is ignored with dp 1: there is no "

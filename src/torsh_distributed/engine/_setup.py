@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
+from torsh_distributed.engine._compression import check_compression
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.parallel.blocks import find_blocks
 from torsh_distributed.parallel.moe import moe_layers
@@ -95,6 +96,10 @@ def plan_run(
             f"--compression {config.compression.method} with parallel.ep={dims.ep} is not built "
             "yet; use --compression none with expert parallelism"
         )
+    # compression x layout, before any rank builds anything (the CLI runs this before launching)
+    check_compression(
+        config.compression, zero_stage=par.zero_stage, model_parallel=dims.tp > 1 or dims.pp > 1
+    )
     if (dims.tp > 1 or dims.pp > 1) and config.grad_accum > 1:
         raise ValueError(
             f"--grad-accum {config.grad_accum} applies to data parallelism; with --tp/--pp "

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from torsh_distributed.compat.deepspeed import import_deepspeed
+from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.compression.onebit import OneBitAdam, ZeroOneAdam
 from torsh_distributed.engine.config import EngineConfig, OptimConfig
-from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
 
@@ -90,3 +90,13 @@ def test_one_rank_warm_up_is_torch_adamw_bit_for_bit():
     assert not all(torch.equal(a, b) for a, b in zip(ref, frozen, strict=True))
     zero_one = _run(lambda g: ZeroOneAdam(g, var_freeze_step=3, **kw), 6)
     assert all(torch.isfinite(p).all() for p in zero_one)
+
+
+def test_a_factorys_1bit_optimizer_is_refused_on_a_layout_it_cannot_serve():
+    from torsh_distributed.compression.onebit import check_layout
+
+    opt = ZeroOneAdam([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"ZeroOneAdam exchanges whole replicas' momenta itself: it needs --zero-stage 0"):
+        check_layout(opt, zero_stage=1, model_parallel=False, compressed=False)
+    check_layout(opt, zero_stage=0, model_parallel=False, compressed=False)
+    check_layout(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]), zero_stage=3, model_parallel=True, compressed=True)

@@ -49,7 +49,7 @@ from torsh_distributed.compression._onebit import FlatLayout, OneBitAllReduce
 from torsh_distributed.compression.base import Comm
 from torsh_distributed.compression.hooks import StepStats
 
-__all__ = ["OneBitAdam", "OneBitOptimizer", "ZeroOneAdam", "replace_ddp_allreduce"]
+__all__ = ["OneBitAdam", "OneBitOptimizer", "ZeroOneAdam", "check_layout", "replace_ddp_allreduce"]
 
 
 class OneBitOptimizer(torch.optim.Optimizer):
@@ -526,6 +526,23 @@ class ZeroOneAdam(OneBitOptimizer):
             for p, m, v in zip(self.params, local["exp_avg"], local["params"], strict=True):
                 self.state[p]["exp_avg"].copy_(m)
                 p.copy_(v)
+
+
+def check_layout(optimizer: Any, *, zero_stage: int, model_parallel: bool, compressed: bool) -> None:
+    """Refuse a 1-bit optimizer (say, from a user's optimizer factory) on a layout it cannot
+    serve; the engine's own ``--optimizer`` is refused earlier, by its config.
+
+    Raises:
+        ValueError: ZeRO, tensor/pipeline/expert parallelism or a compression method with it.
+    """
+    if not isinstance(optimizer, OneBitOptimizer):
+        return
+    if zero_stage or model_parallel or compressed:
+        raise ValueError(
+            f"{type(optimizer).__name__} exchanges whole replicas' momenta itself: it needs "
+            "--zero-stage 0 without tp/pp/ep and without --compression (or use AdamW with "
+            "--compression)"
+        )
 
 
 def replace_ddp_allreduce(model: nn.parallel.DistributedDataParallel, optimizer: Any) -> None:

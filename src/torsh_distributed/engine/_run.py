@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
-from torsh_distributed.compression.onebit import OneBitOptimizer, replace_ddp_allreduce
+from torsh_distributed.compression import onebit
 from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
 from torsh_distributed.energy.tracker import METRICS, EnergyTracker
 from torsh_distributed.engine import _setup as S
@@ -218,6 +218,8 @@ class Run:
     def _build_optimizer(self) -> None:
         par, dims = self.cfg.parallel, self.dims
         optimizer = self._new_optimizer(self.built.holder)
+        onebit.check_layout(optimizer, zero_stage=par.zero_stage, model_parallel=self.plan.model_parallel,
+                     compressed=self.compression.section.enabled)  # a factory's 1-bit optimizer
         if dims.ep > 1 or (dims.tp > 1 and par.zero_stage < 2):
             # foreach kernels reject lists mixing DTensor (tp shards, ep experts) and plain
             # tensors, or DTensors of two meshes (FSDP2's dense shards, ep experts)
@@ -267,9 +269,9 @@ class Run:
         # prime DDP's buckets on this rank's first batch; leave buffers as they were
         engine, forward = self.engine, built.forward
         assert forward is not None
-        if isinstance(self.optimizer, OneBitOptimizer):  # its exchange replaces DDP's
+        if isinstance(self.optimizer, onebit.OneBitOptimizer):  # its exchange replaces DDP's
             if isinstance(forward, nn.parallel.DistributedDataParallel):
-                replace_ddp_allreduce(forward, self.optimizer)
+                onebit.replace_ddp_allreduce(forward, self.optimizer)
             return
         x0, y0 = self._batch(engine.dataset, engine.train_sampler, 0)
         saved = [b.detach().clone() for b in built.holder.buffers()]
@@ -577,7 +579,7 @@ class Run:
             backend=self.runtime.backend,
             layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
             memory=self.memory.summary(),
-            compression=(onebit if isinstance(onebit := self.optimizer, OneBitOptimizer)
+            compression=(opt if isinstance(opt := self.optimizer, onebit.OneBitOptimizer)
                          else self.compression).summary(),  # bytes of whoever exchanges
             monitor=monitor_report,
             checkpoint=self.ckpt.summary(),

@@ -113,7 +113,7 @@ def test_optimizer_flags_build_sgd_and_invalid_ones_are_named():
     assert planner_optimizer(cfg.optim) == "sgd"
     assert planner_optimizer(OptimConfig(optimizer="sgd")) == "sgd-plain"
     assert planner_optimizer(OptimConfig()) == "adam"
-    with pytest.raises(ValueError, match="optim.optimizer must be one of adamw, sgd, got 'lion'"):
+    with pytest.raises(ValueError, match="optim.optimizer must be one of adamw, sgd, onebit_adam, zerooneadam, got 'lion'"):
         OptimConfig(optimizer="lion")
     with pytest.raises(ValueError, match=r"optim.momentum must be in \[0, 1\), got 1.0"):
         OptimConfig(optimizer="sgd", momentum=1.0)

@@ -43,13 +43,13 @@ class CountSketch(Compressor):
     """See the module docstring.
 
     Args:
-        ratio: Sketch cells per gradient entry, in (0, 1] (``sketch:0.1`` sends 10 % of the
-            dense bytes).
+        ratio: Floats sent per gradient entry, table and exact values together, in (0, 1]
+            (``sketch:0.1`` sends 10 % of the dense bytes).
         rows: Hash rows (independent estimates; the median of them is taken). More rows: a more
-            robust estimate, fewer columns for the same bytes.
-        heavy: Heavy hitters unsketched per step, as a fraction of the columns (``k = heavy *
-            columns``): a larger ``k`` sends more of the gradient per step but takes more
-            coordinates whose estimate is mostly collision noise.
+            robust estimate of planted heavy hitters, but fewer columns for the same bytes (on a
+            dense gradient 1 row chose better entries than 3 or 5; see the module docstring).
+        heavy: Entries fetched per step, as a fraction of the columns (``k = heavy *
+            columns``): a larger ``k`` sends more of the gradient per step, for fewer columns.
         seed: Seed of the shared hashes; all ranks must use the same.
     """
 

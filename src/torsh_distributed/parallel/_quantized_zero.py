@@ -1,9 +1,10 @@
 """Quantised ZeRO collectives on FSDP2 (ZeRO++'s qwZ and qgZ, Wang et al. 2023).
 
-FSDP2 lets a module replace its all-gather and reduce-scatter (``FSDPModule.
-set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch >= 2.9): the communication classes
-here quantise what travels to int8 in blocks of ``block`` entries, each block with its own fp32
-scale (``max |x| / 127``), and dequantise on arrival:
+FSDP2 lets a module replace its all-gather and reduce-scatter
+(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``; used with torch 2.13): the
+communication classes here quantise what travels to int8 in blocks of ``block`` entries (blocks
+never cross a parameter, see :func:`block_ids`), each block with its own fp32 scale
+(``max |x| / 127``), and dequantise on arrival:
 
 * **qwZ** (parameter all-gather): each rank quantises its shard and all-gathers codes and
   scales; every rank, itself included, then computes with the same dequantised parameters (the
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-try:  # FSDP2's communication extension points (torch >= 2.9)
+try:  # FSDP2's communication extension points (present in torch 2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - older torch: quantize_collectives refuses
     AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
@@ -258,7 +259,7 @@ def quantize_collectives(
     if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise ValueError(
             f"quantised ZeRO collectives need FSDP2's set_custom_all_gather/reduce_scatter "
-            f"(torch >= 2.9); this is torch {torch.__version__}"
+            f"(torch 2.13 has them); this is torch {torch.__version__}"
         )
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:

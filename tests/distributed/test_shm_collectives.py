@@ -180,3 +180,61 @@ def test_every_op_and_dtype_equals_gloo(world_size):
         assert failures == []
         ops = ("all_reduce", "reduce_scatter")
         assert bench == sorted((op, impl) for op in ops for impl in ("shm", "torch"))
+
+
+def _hierarchical() -> tuple[int, list[str], dict]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    failures: list[str] = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        for size in (3, 20000):
+            x = (torch.arange(size) % 5 + rank).to(dtype)  # small integers: every order exact
+            for name in ("sum", "max", "product"):
+                got, ref = x.clone(), x.clone()
+                dist.all_reduce(got, op=OPS[name])
+                dist.all_reduce(ref, op=OPS[name], group=gloo)
+                if not torch.equal(got, ref):
+                    failures.append(f"all_reduce {name} {dtype} n={size}")
+            for root in range(n):
+                b = x.clone() * (rank == root)
+                ref = b.clone()
+                dist.broadcast(b, root)
+                dist.broadcast(ref, root, group=gloo)
+                if not torch.equal(b, ref):
+                    failures.append(f"broadcast root={root} {dtype}")
+            out, ref = torch.empty(size * n, dtype=dtype), torch.empty(size * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, x)
+            dist.all_gather_into_tensor(ref, x, group=gloo)
+            listed = [torch.empty_like(x) for _ in range(n)]
+            dist.all_gather(listed, x)
+            if not (torch.equal(out, ref) and torch.equal(torch.cat(listed), ref)):
+                failures.append(f"all_gather {dtype} n={size}")
+            full = (torch.arange(size * n) % 7 + rank).to(dtype)
+            part, ref_part = torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype)
+            dist.reduce_scatter_tensor(part, full)
+            dist.reduce_scatter_tensor(ref_part, full, group=gloo)
+            if not torch.equal(part, ref_part):
+                failures.append(f"reduce_scatter {dtype} n={size}")
+    avg = torch.full((7,), float(rank))
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+    if not torch.equal(avg, torch.full((7,), (n - 1) / 2)):
+        failures.append(f"avg {avg}")
+    dist.barrier()
+    pg = dist.group.WORLD
+    return pg.num_nodes, failures, dict(pg.counts)
+
+
+@pytest.mark.parametrize("nodes", ["0,1,0,1", "0,0,0,1"])
+def test_hierarchical_path_on_simulated_nodes_equals_gloo(nodes):
+    """Interleaved nodes (rows of all-gather / reduce-scatter go back to their global ranks) and
+    uneven nodes (all-gather and reduce-scatter fall back to Gloo, the rest stays node by node)."""
+    env = {**ENV, "TORSH_NODE_ASSIGNMENT": nodes}
+    for num_nodes, failures, counts in run_distributed(
+        _hierarchical, 4, backend="gloo+shm", env=env, timeout=120
+    ):
+        assert num_nodes == 2
+        assert failures == []
+        even = nodes == "0,1,0,1"
+        assert counts.get("shm allreduce", 0) > 0 and counts.get("shm broadcast", 0) > 0
+        assert (counts.get("shm _allgather_base", 0) > 0) == even
+        assert (counts.get("gloo _reduce_scatter_base", 0) > 0) == (not even)

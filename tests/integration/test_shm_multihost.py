@@ -5,7 +5,7 @@ No ``TORSH_NODE_ASSIGNMENT``: the backend must see by itself that the namespaces
 op and dtype is compared with a plain Gloo group over the same 4 ranks: integers, min and max
 exactly; floats against the documented hierarchical order (fold inside each node, then Gloo's
 sum of the node results between leaders) within one unit in the last place; all-gather and
-reduce-scatter (Gloo between nodes) exactly.
+reduce-scatter (also node by node: the nodes have as many ranks) exactly.
 """
 
 from __future__ import annotations
@@ -90,6 +90,10 @@ _RANK = textwrap.dedent(
         dist.all_gather_into_tensor(o, x)
         if not torch.equal(o, torch.cat(gather(x))):
             failures.append(f"all_gather {dtype}")
+        listed = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(listed, x)
+        if not torch.equal(torch.cat(listed), o):
+            failures.append(f"all_gather (list) {dtype}")
         full = torch.arange(4 * n).to(dtype) + rank
         part, ref_part = torch.empty(4, dtype=dtype), torch.empty(4, dtype=dtype)
         dist.reduce_scatter_tensor(part, full)
@@ -130,4 +134,11 @@ def test_hierarchical_gloo_shm_on_two_namespace_hosts_equals_gloo(tmp_path):
         result = json.loads(out.read_text())
         assert result["nodes"] == 2
         assert result["failures"] == []
-        assert result["counts"].get("shm allreduce", 0) > 0
+        for path in (
+            "allreduce",
+            "broadcast",
+            "_allgather_base",
+            "allgather",
+            "_reduce_scatter_base",
+        ):
+            assert result["counts"].get(f"shm {path}", 0) > 0, (path, result["counts"])

@@ -9,8 +9,9 @@ helpers, so everything torch can do on Gloo keeps working.
 Ranks are grouped into nodes by ``TORSH_NODE_ASSIGNMENT`` (simulated hosts) or by what makes
 shared memory shared: boot id, network namespace and the ``/dev/shm`` file system. On one node
 every supported collective goes through the node's :class:`ShmTransport`. On several nodes
-all-reduce, broadcast and barrier are hierarchical (shm reduce inside each node, Gloo between
-the node leaders, shm broadcast inside); all-gather and reduce-scatter go to Gloo. Operations
+every one of them is hierarchical (shm inside each node, Gloo between the node leaders, shm
+broadcast inside); all-gather and reduce-scatter only when every node has as many ranks (else
+Gloo). Operations
 run synchronously in the calling thread and return completed work objects.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroup
+from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroup
 from torch.futures import Future
 
 from torsh_distributed.runtime._shm_segment import Segment, cleanup_stale_segments, new_name
@@ -137,7 +138,11 @@ class ShmProcessGroup(ProcessGroup):
         self._leaders = [g[0] for g in groups]
         self._node_index = self._leaders.index(self._local[0])
         self._node_of = {r: i for i, g in enumerate(groups) for r in g}
+        self._groups = groups
         self.num_nodes = len(groups)
+        # all-gather and reduce-scatter go node by node only when every node has as many ranks
+        # (Gloo's collectives between the leaders need equal sizes)
+        self._even_nodes = len({len(g) for g in groups}) == 1
         self._transport = self._attach(shm_store, slot_bytes, global_ranks)
         self._leader_pg: dist.ProcessGroup | None = None
         if self.num_nodes > 1 and self._local_rank == 0:
@@ -251,15 +256,47 @@ class ShmProcessGroup(ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         if (
-            not self.single_node
+            not self._even_nodes
             or not (supports(input) and supports(output))
             or output.numel() != input.numel() * self.size()
             or output.dtype != input.dtype
         ):
             return self._fallback("_allgather_base")(output, input, opts)
-        self._transport.all_gather(output, input)
+        if self.single_node:
+            self._transport.all_gather(output, input)
+        else:
+            self._hierarchical_all_gather(output.view(self.size(), -1), input.reshape(-1))
         self.counts["shm _allgather_base"] += 1
         return _DoneWork([output])
+
+    def _hierarchical_all_gather(self, out: torch.Tensor, input: torch.Tensor) -> None:
+        """shm all-gather in the node, Gloo all-gather of the node blocks between leaders, shm
+        broadcast of the whole result in the node."""
+        local = torch.empty((len(self._local), input.numel()), dtype=input.dtype)
+        self._transport.all_gather(local, input)
+        if self._leader_pg is not None:
+            blocks = [torch.empty_like(local) for _ in range(self.num_nodes)]
+            self._leader_pg.allgather([blocks], [local], AllgatherOptions()).wait()
+            for group, block in zip(self._groups, blocks, strict=True):
+                out[group] = block  # rows to their global ranks
+        self._transport.broadcast(out, 0)
+
+    def _hierarchical_reduce_scatter(self, out: torch.Tensor, input: torch.Tensor, op: str) -> None:
+        """shm all-reduce of the input in the node, Gloo reduce-scatter of the node sums between
+        leaders (each leader gets its node's rows), shm broadcast of those rows in the node."""
+        local_op = "sum" if op == "avg" else op
+        total = input.reshape(self.size(), -1).clone()
+        self._transport.all_reduce(total, local_op)
+        rows = torch.empty((len(self._local), out.numel()), dtype=out.dtype)
+        if self._leader_pg is not None:
+            by_node = torch.cat([total[g] for g in self._groups])  # node-major row order
+            outer = dist.ReduceScatterOptions()
+            outer.reduceOp = getattr(dist.ReduceOp, local_op.upper())
+            self._leader_pg._reduce_scatter_base(rows, by_node, outer).wait()
+            if op == "avg":
+                rows.div_(self.size())
+        self._transport.broadcast(rows, 0)
+        out.view(-1).copy_(rows[self._local_rank])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         return self._allgather_base(output, input, opts)
@@ -267,12 +304,15 @@ class ShmProcessGroup(ProcessGroup):
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        if not self.single_node or len(inputs) != 1 or not supports(inputs[0]):
+        if not self._even_nodes or len(inputs) != 1 or not supports(inputs[0]):
             return self._fallback("allgather")(outputs, inputs, opts)
         if any(o.shape != inputs[0].shape or o.dtype != inputs[0].dtype for o in outputs[0]):
             return self._fallback("allgather")(outputs, inputs, opts)
         flat = torch.empty((self.size(), inputs[0].numel()), dtype=inputs[0].dtype)
-        self._transport.all_gather(flat, inputs[0])
+        if self.single_node:
+            self._transport.all_gather(flat, inputs[0])
+        else:
+            self._hierarchical_all_gather(flat, inputs[0].reshape(-1))
         for j, out in enumerate(outputs[0]):
             out.copy_(flat[j].view(out.shape))  # outputs may be strided views
         self.counts["shm allgather"] += 1
@@ -283,14 +323,17 @@ class ShmProcessGroup(ProcessGroup):
     ) -> dist.Work:
         op = _op_name(opts)
         if (
-            not self.single_node
+            not self._even_nodes
             or op is None
             or not (supports(input, op) and supports(output, op))
             or input.numel() != output.numel() * self.size()
             or output.dtype != input.dtype
         ):
             return self._fallback("_reduce_scatter_base")(output, input, opts)
-        self._transport.reduce_scatter(output, input, op)
+        if self.single_node:
+            self._transport.reduce_scatter(output, input, op)
+        else:
+            self._hierarchical_reduce_scatter(output, input, op)
         self.counts["shm _reduce_scatter_base"] += 1
         return _DoneWork([output])
 
@@ -306,14 +349,17 @@ class ShmProcessGroup(ProcessGroup):
         out = outputs[0] if len(outputs) == 1 else None
         if (
             out is None
-            or not self.single_node
+            or not self._even_nodes
             or op is None
             or not supports(out, op)
             or any(t.shape != out.shape or t.dtype != out.dtype for t in inputs[0])
         ):
             return self._fallback("reduce_scatter")(outputs, inputs, opts)
         stacked = torch.stack([t.reshape(-1) for t in inputs[0]])
-        self._transport.reduce_scatter(out, stacked, op)
+        if self.single_node:
+            self._transport.reduce_scatter(out, stacked, op)
+        else:
+            self._hierarchical_reduce_scatter(out, stacked, op)
         self.counts["shm reduce_scatter"] += 1
         return _DoneWork(outputs)
 

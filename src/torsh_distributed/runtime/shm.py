@@ -4,8 +4,8 @@ Choose it with ``tdist.init(backend="gloo+shm")`` (or ``--backend gloo+shm`` whe
 is taken); :func:`register` makes the name known to ``torch.distributed`` for code that calls
 ``dist.init_process_group("gloo+shm")`` itself. Inside a node, all-reduce (sum, avg, product,
 min, max), reduce-scatter, all-gather, broadcast and barrier of float32/64, bfloat16, float16
-and integer tensors go through POSIX shared memory; between nodes all-reduce, broadcast and
-barrier are hierarchical over Gloo; everything else is Gloo. See docs/shm.md for the reduction
+and integer tensors go through POSIX shared memory; between nodes they are hierarchical (shm
+inside each node, Gloo between node leaders); everything else is Gloo. See docs/shm.md for the reduction
 order, the safety rules (segment names, cleanup, timeouts) and what is trusted.
 """
 

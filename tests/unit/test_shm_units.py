@@ -35,7 +35,7 @@ def test_store_load_and_wait_with_a_deadline(kind):
     flags.store(1, 6)
     start = time.monotonic()
     assert flags.wait_all(5, 0.05) == 2  # rank 2 never arrived: named after the budget
-    assert 0.04 <= time.monotonic() - start < 1.0
+    assert time.monotonic() - start >= 0.04  # waited its budget (no upper bound: load)
     flags.store(2, 7)
     assert flags.wait_all(5, 0.05) == -1
     assert [flags.load(i) for i in range(3)] == [5, 6, 7]
@@ -50,10 +50,10 @@ def test_a_waiter_is_woken_by_the_store(kind):
     timer = threading.Timer(0.2, flags.store, (1, 1))
     timer.start()
     start = time.monotonic()
-    assert flags.wait_all(1, 5.0) == -1
+    assert flags.wait_all(1, 60.0) == -1  # a waiter holding the GIL would time out instead
     elapsed = time.monotonic() - start
     timer.join()
-    assert 0.15 <= elapsed < 2.0
+    assert elapsed >= 0.15
 
 
 @pytest.fixture

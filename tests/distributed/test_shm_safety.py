@@ -38,8 +38,10 @@ def _victim(mode: str, out: str) -> int:
     if rank == 1:
         if mode == "kill":  # die 50 ms into the loop below: inside an all-reduce
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        else:  # hang: miss the next all-reduce for longer than the timeout, then leave
-            time.sleep(TIMEOUT_S + 1)
+        else:  # hang: miss the next all-reduce until rank 0 has given up, then leave
+            deadline = time.monotonic() + 60
+            while not Path(out).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             return os.getpid()
     start = time.monotonic()
     result: dict = {"pid": os.getpid(), "error": None}

@@ -35,3 +35,18 @@ def test_servers_need_workers(capfd: pytest.CaptureFixture[str]):
 
     assert main(["train", "--nproc-per-node", "1", "--ps-servers", "1", "--preset", "tiny"]) == 2
     assert "--ps-servers 1 needs --nproc-per-node > 1" in capfd.readouterr().err
+
+
+def test_a_one_bit_optimizer_is_refused_and_other_optimizers_are_named_as_ignored(capfd: pytest.CaptureFixture[str]):
+    from torsh_distributed.cli.main import main
+
+    assert main(["train", "--nproc-per-node", "3", "--ps-servers", "1", "--preset", "tiny",
+                 "--optimizer", "onebit_adam"]) == 2
+    assert "--optimizer onebit_adam exchanges data-parallel gradients itself: not with --ps-servers" in capfd.readouterr().err
+    from torsh_distributed.cli.ps_train import ps_train_config
+    from torsh_distributed.train.config import preset
+
+    config = preset("tiny")
+    config.optim.optimizer = "sgd"
+    with pytest.warns(UserWarning, match=r"with --ps-servers these settings are ignored: optim.optimizer"):
+        ps_train_config(config, {"kind": "adam", "num_servers": 1}, warn=True)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["add_ps_arguments", "handle_ps", "main"]
 
 _USED = {"max_steps", "batch_size", "seed", "summary_json", "log_every", "optim"}
-_USED_OPTIM = {"lr", "momentum", "beta1", "beta2", "eps", "grad_clip", "optimizer"}
+_USED_OPTIM = {"lr", "momentum", "beta1", "beta2", "eps", "grad_clip"}
 
 
 def add_ps_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +70,11 @@ def ps_train_config(config: TrainConfig, settings: dict[str, Any], *, warn: bool
     from torsh_distributed.train.config import preset
 
     opt = config.optim
+    if opt.optimizer in ("onebit_adam", "zerooneadam"):
+        raise ValueError(
+            f"--optimizer {opt.optimizer} exchanges data-parallel gradients itself: not with --ps-servers "
+            "(the servers' optimizer is --ps-optim adam|sgd; for 1-bit Adam train without --ps-servers)"
+        )
     if warn:
         base = preset("tiny").to_dict()
         given = config.to_dict()

@@ -27,11 +27,13 @@ system-deps:
 
 # Train the tiny GPT on 2 ranks (context 256 so that the 200-token sample fits; --resume never: a
 # rerun trains afresh into the same directory), then continue a prompt with the checkpoint it saved.
+# The demo preset and the sampling flags were chosen by measurement: benchmarks/bench_demo.py,
+# docs/benchmarks.md ("The demo: which model a minute buys").
 demo: install
-	$(VENV)/bin/torsh-dist train --nproc-per-node 2 --preset tiny --model.block-size 256 \
-		--batch-size 8 --max-steps 300 --checkpoint-dir runs/demo --resume never
-	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n' \
-		--max-new-tokens 200 --temperature 0.8 --seed 0
+	$(VENV)/bin/torsh-dist train --nproc-per-node 2 --preset demo --checkpoint-dir runs/demo \
+		--resume never
+	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n    ' \
+		--max-new-tokens 112 --temperature 0.9 --top-k 20 --seed 0
 
 test: system-deps install
 	$(PY) -m pytest -q --durations=30 tests

@@ -59,11 +59,25 @@ def small() -> TrainConfig:
     )
 
 
-PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": tiny, "small": small}
+def demo() -> TrainConfig:
+    """What ``make demo`` trains: about 40 s on two CPU ranks, the set-up with the lowest
+    validation loss for that compute among those measured by ``benchmarks/bench_demo.py``
+    (docs/benchmarks.md): the tiny model, but 16 windows of 128 bytes a step (instead of 8 of
+    256: cheaper attention, less correlated samples) on 2 MB of source; loss ~1.6."""
+    return TrainConfig(
+        model=ModelConfig(block_size=128, n_layer=2, n_head=2, d_model=64),
+        data=DataConfig(max_bytes=2_000_000),
+        optim=OptimConfig(lr=3e-3, warmup_steps=20),
+        max_steps=1800,
+        batch_size=16,
+    )
+
+
+PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": tiny, "small": small, "demo": demo}
 
 
 def preset(name: str) -> TrainConfig:
-    """A fresh config of the named preset (``tiny`` or ``small``)."""
+    """A fresh config of the named preset (``tiny``, ``small`` or ``demo``)."""
     try:
         return PRESETS[name]()
     except KeyError:

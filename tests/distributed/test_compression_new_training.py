@@ -12,10 +12,9 @@ from torsh_distributed.train import TrainConfig, preset, train
 
 STEPS = 40
 SGD_LR = 0.5
-# Measured validation-loss gaps (2 ranks, tiny preset, seed 1234), 40 / 60 / 200 steps: natural
-# +0.14 / +0.28 / -0.1 % (AdamW); bimodal -0.80 / -0.17 / -2.9 %, sketch:0.1 +1.32 / +2.08 / +0.3 %
-# (SGD); zstd:<spec> trains
-# exactly as <spec>. Under AdamW bimodal (+12.5 % at 200) and sketch:0.1 (+16.0 %) lag like the
+# Measured validation-loss gaps (2 ranks, tiny preset, seed 1234), 40 / 200 steps: natural +0.46 /
+# +0.4 % (AdamW); bimodal -0.80 / -2.9 %, sketch:0.1 +1.32 / +0.3 % (SGD; +2.08 % at 60 steps);
+# zstd:<spec> trains exactly as <spec>. Under AdamW bimodal (+12.5 % at 200) and sketch:0.1 (+16.0 %) lag like the
 # other error-feedback methods (sign, topk; see docs/compression.md).
 RUNS = ["none", "natural", "zstd:natural", "sgd/none", "sgd/bimodal", "sgd/sketch:0.1"]
 

@@ -70,6 +70,20 @@ def test_natural_sends_signed_powers_of_two_in_one_byte_each():
     assert bool((ratio > 0.5).all()) and bool((ratio < 2.0).all())
 
 
+def test_natural_stays_unbiased_for_entries_far_below_the_largest():
+    # 1e-40 is an fp32 denormal 2^133 below 1.0: it rounds to 0 or the smallest code (2^-126)
+    comp = Natural(seed=5)
+    for tiny in (1e-40, 3e-38):
+        x = torch.cat([torch.ones(1), torch.full((50_000,), tiny)])
+        means = []
+        for _ in range(20):
+            payload, ctx = comp.compress(x)
+            y = comp.decompress(payload, ctx)
+            assert bool(torch.isfinite(y).all()) and float(y[0]) in (1.0, 2.0)
+            means.append(float(y[1:].double().mean()))
+        assert sum(means) / len(means) == pytest.approx(tiny, rel=0.06)  # 5 sd at 1e-40
+
+
 def test_natural_replays_after_state_restore():
     x = _grad()
     a = Natural(seed=5)

@@ -32,11 +32,22 @@ def natural_round(
     x: torch.Tensor, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unbiased rounding of ``x`` to signed powers of two: ``(negative, exponent)`` with
-    ``|C(x)| = 2^exponent`` where ``x != 0`` (``exponent`` is meaningless where ``x == 0``)."""
-    mantissa, exponent = torch.frexp(x.abs())  # |x| = m 2^e, m in [0.5, 1)
-    u = torch.rand(x.shape, generator=generator, dtype=torch.float32)
-    up = u < (2.0 * mantissa.float() - 1.0)  # P(up) = |x| / 2^(e-1) - 1
-    return x < 0, exponent.to(torch.int32) - 1 + up.to(torch.int32)
+    ``|C(x)| = 2^exponent`` where ``x != 0`` (``exponent`` is meaningless where ``x == 0``).
+
+    Read from fp32's bits (integer operations, 2-3x faster than ``frexp`` and float draws): a
+    normal ``|x| = (1 + m / 2^23) 2^(e - 127)`` rounds up with probability ``m / 2^23``, drawn as
+    ``randint(2^23) < m``. Denormals (rare) take ``frexp``."""
+    bits = x.float().contiguous().view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    up = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32) < mantissa
+    exponent = biased - 127 + up.to(torch.int32)
+    denormal = (biased == 0) & (mantissa != 0)
+    if bool(denormal.any()):
+        m, e = torch.frexp(x.float()[denormal].abs())  # |x| = m 2^e, m in [0.5, 1)
+        u = torch.rand(m.shape, generator=generator)
+        exponent[denormal] = e.to(torch.int32) - 1 + (u < 2.0 * m - 1.0).to(torch.int32)
+    return bits < 0, exponent
 
 
 class Natural(Compressor):
@@ -60,7 +71,9 @@ class Natural(Compressor):
         g = self.stream.next(key)
         negative, exponent = natural_round(flat, g)
         nonzero = flat != 0
-        top = int(exponent[nonzero].max()) if bool(nonzero.any()) else 0
+        # zeros read as exponent -127, below every normal entry's: the max is the largest
+        # entry's (or -127, which still gives every denormal a code >= 105)
+        top = int(exponent.max()) if flat.numel() else 0
         base = top - _SPAN  # code k stands for 2^(base + k)
         code = exponent - base
         # below the smallest code: round to 0 or 2^(base + 1), keeping the mean
@@ -77,10 +90,19 @@ class Natural(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         packed, base = payload
         code = (packed & 0x7F).to(torch.int32)
-        magnitude = torch.ldexp(torch.ones(code.shape), (code + int(base[0])).float())
-        magnitude = torch.where(code > 0, magnitude, torch.zeros_like(magnitude))
-        sign = 1.0 - 2.0 * (packed >> 7).float()
-        return (magnitude * sign).to(ctx or torch.float32)
+        offset = int(base[0]) + 127
+        biased = code + offset
+        used = code > 0
+        lowest = int(torch.where(used, code, 127).min()) if code.numel() else 127
+        highest = int(code.max()) if code.numel() else 0
+        if lowest + offset < 1 or highest + offset > 254:  # outside fp32's normal range
+            magnitude = torch.ldexp(torch.ones(code.shape), (biased - 127).float())
+            sign = 1.0 - 2.0 * (packed >> 7).float()
+            out = torch.where(used, magnitude * sign, torch.zeros_like(magnitude))
+        else:  # build the fp32 bits: sign, exponent, zero mantissa
+            bits = (biased << 23) | ((packed >> 7).to(torch.int32) << 31)
+            out = torch.where(used, bits, torch.zeros_like(bits)).view(torch.float32)
+        return out.to(ctx or torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.stream.state_dict()}

@@ -3,6 +3,7 @@ ends prove it, and an exposed federation without a token is refused before anyth
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 
@@ -35,13 +36,20 @@ def echo() -> int:
 
 
 def _roundtrip(port: int, payload: bytes) -> bytes:
+    """What comes back for ``payload``. A relay that refuses drops the connection, sometimes
+    before the payload is sent or shut (ENOTCONN, ECONNRESET, EPIPE): then nothing came back. A
+    drop on an accepted path still fails its test, which compares the whole echo."""
+    chunks = []
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
-        chunks = []
-        while data := sock.recv(4096):
-            chunks.append(data)
-        return b"".join(chunks)
+        try:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            while data := sock.recv(4096):
+                chunks.append(data)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE):
+                raise
+    return b"".join(chunks)
 
 
 @pytest.mark.timeout(60)
@@ -56,7 +64,11 @@ def test_only_token_holders_reach_the_target(echo: int) -> None:
         with socket.create_connection(("127.0.0.1", head.port), timeout=10) as raw:  # no handshake
             raw.recv(32)  # the nonce
             raw.sendall(b"POST /v1/control/start-run HTTP/1.1\r\n" + b"x" * 64)
-            assert raw.recv(4096) == b""  # dropped, nothing forwarded
+            try:
+                answer = raw.recv(4096)
+            except ConnectionResetError:  # dropped with our bytes unread: a reset, not a FIN
+                answer = b""
+            assert answer == b""  # dropped, nothing forwarded
         assert head.refused == 2
         fake_head = Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", echo),
                           token=b"not-the-real-token!").start()  # fmt: skip

@@ -73,25 +73,27 @@ def _fields(cls: type) -> list[dataclasses.Field[Any]]:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under each dataclass field (parsed from the class source)."""
+    """Docstrings written under each dataclass field (parsed from the class source), inherited
+    fields included (TrainConfig's top-level fields are EngineConfig's)."""
     import ast
     import inspect
 
     docs: dict[str, str] = {}
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return docs
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed(cls.__mro__[:-1]):  # a subclass's docstring wins
+        try:
+            tree = ast.parse(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

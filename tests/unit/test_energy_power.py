@@ -58,6 +58,24 @@ class FakeGpu:
         self.history.append(mw)
 
 
+def thread_gathers(n: int) -> Any:
+    """``gather_for(rank)``: an all-gather among ``n`` threads (each rank's control in its own
+    thread), standing in for the process group's ``all_gather_object``."""
+    barrier = threading.Barrier(n)
+    box: list[Any] = [None] * n
+
+    def gather_for(rank: int) -> Any:
+        def gather(obj: Any) -> list[Any]:
+            box[rank] = obj
+            barrier.wait(timeout=10)
+            out = list(box)
+            barrier.wait(timeout=10)  # nobody overwrites the box before everyone has read it
+            return out
+        return gather
+
+    return gather_for
+
+
 def control(gpu: FakeGpu, *, limit: str = "search", gather: Any = None, **kw: Any) -> PowerLimit:
     args: dict[str, Any] = dict(limit_w=parse_power_limit(limit), tradeoff=0.5, steps=3, stride_w=100.0,
                                 clock=lambda: gpu.now)
@@ -125,18 +143,7 @@ def test_tradeoff_zero_keeps_the_fastest_limit():
 
 def test_a_refusal_on_any_rank_changes_no_limit():
     gpus = [FakeGpu(), FakeGpu(denied=True)]
-    barrier = threading.Barrier(2)
-    box: list[Any] = [None, None]
-
-    def gather_for(rank: int):
-        def gather(obj: Any) -> list[Any]:
-            box[rank] = obj
-            barrier.wait(timeout=10)
-            out = list(box)
-            barrier.wait(timeout=10)
-            return out
-        return gather
-
+    gather_for = thread_gathers(2)
     ctls = [control(g, gather=gather_for(r)) for r, g in enumerate(gpus)]
     threads = [threading.Thread(target=c.start) for c in ctls]
     for t in threads:
@@ -153,18 +160,7 @@ def test_a_refusal_on_any_rank_changes_no_limit():
 def test_two_ranks_agree_on_the_job_cost():
     # rank 1's GPU is slow at low limits: the job (as fast as its slowest rank) keeps a higher one
     gpus = [FakeGpu(alpha=0.1), FakeGpu(alpha=2.0)]
-    barrier = threading.Barrier(2)
-    box: list[Any] = [None, None]
-
-    def gather_for(rank: int):
-        def gather(obj: Any) -> list[Any]:
-            box[rank] = obj
-            barrier.wait(timeout=10)
-            out = list(box)
-            barrier.wait(timeout=10)
-            return out
-        return gather
-
+    gather_for = thread_gathers(2)
     ctls = [control(g, gather=gather_for(r)) for r, g in enumerate(gpus)]
 
     def run(rank: int) -> None:

@@ -11,8 +11,11 @@ rank; the median is kept. ``busbw = size / time * 2 (n - 1) / n`` (nccl-tests). 
 after each size's calls (the other ranks waiting in a barrier), rank 0 measures the single-thread
 memory-copy bound at that size: ``dst.copy_(src)`` of two float32 tensors of the size,
 ``torch.set_num_threads(1)``, bytes copied per second of the fastest copy (a bound: on a
-loaded machine the median would flatter the collectives). Prints a Markdown table with the
-load average beside it; ranks run with ``OMP_NUM_THREADS=1``.
+loaded machine the median would flatter the collectives). Then every rank copies at the same
+time (the slowest rank's best copy): a rank's share of the node's memory bandwidth while its
+peers use theirs, which is what a collective's ranks get (on the 2-core VM two copies at once
+get about half each). Prints a Markdown table with the load average beside it; ranks run with
+``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def _rank_body(sizes: list[int], warmup: int) -> dict:
         dist.barrier(group=gloo)
         memcpy = _memcpy_bound(size, max(_iters(size), 5)) if rank == 0 else 0.0
         dist.barrier(group=gloo)
+        # every rank copying at once: what each gets of the node's shared memory bandwidth
+        together = torch.tensor([_memcpy_bound(size, max(_iters(size), 5))])
+        dist.all_reduce(together, op=dist.ReduceOp.MIN, group=gloo)
         for name, calls in zip(groups, slowest.tolist(), strict=True):
             t = statistics.median(calls)
             rows.append(
@@ -92,6 +98,7 @@ def _rank_body(sizes: list[int], warmup: int) -> dict:
                     "busbw_GBps": count * 4 / t * 2 * (n - 1) / n / 1e9,
                     "calls": len(calls),
                     "memcpy_GBps": memcpy / 1e9,
+                    "memcpy_together_GBps": together.item() / 1e9,
                 }
             )
     return {"rows": rows}
@@ -100,8 +107,9 @@ def _rank_body(sizes: list[int], warmup: int) -> dict:
 def _table(results: dict[int, dict]) -> str:
     lines = [
         "| ranks | size (B) | Gloo busbw (GB/s) | shm busbw (GB/s) | shm / Gloo "
-        "| memcpy 1 thread (GB/s) | shm / memcpy |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| memcpy 1 thread (GB/s) | shm / memcpy | memcpy, all ranks at once (GB/s) "
+        "| shm / that |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, res in results.items():
         by = {(r["impl"], r["size"]): r for r in res["rows"]}
@@ -110,7 +118,8 @@ def _table(results: dict[int, dict]) -> str:
             lines.append(
                 f"| {n} | {size} | {g['busbw_GBps']:.3f} | {s['busbw_GBps']:.3f} | "
                 f"{s['busbw_GBps'] / g['busbw_GBps']:.2f} | {s['memcpy_GBps']:.2f} | "
-                f"{s['busbw_GBps'] / s['memcpy_GBps']:.2f} |"
+                f"{s['busbw_GBps'] / s['memcpy_GBps']:.2f} | {s['memcpy_together_GBps']:.2f} | "
+                f"{s['busbw_GBps'] / s['memcpy_together_GBps']:.2f} |"
             )
     return "\n".join(lines)
 

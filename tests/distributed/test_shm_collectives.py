@@ -5,7 +5,8 @@ plain Gloo group over the same ranks, and returns the list of mismatches. Intege
 must equal Gloo exactly; floats must equal, bit for bit, the documented reduction order (a left
 fold over ranks, float32 accumulation for half types) computed here from the gathered inputs,
 and agree with Gloo to its own rounding. Slots of 8 KiB make the 20 000-element cases run the
-chunked, double-buffered path with small tensors.
+chunked, pipelined path with small tensors: the C kernel's three buffers of ~2.7 KiB, and (with
+``TORSH_SHM_NO_CC=1``) the Python fallback's two slots.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _check(
         failures.append(f"{tag}: differs from Gloo: {got[:3]} != {gloo_result[:3]}")
 
 
-def _matrix() -> tuple[list[str], int]:
+def _matrix() -> tuple[list[str], int, list[tuple[str, str]], dict[str, int]]:
     assert dist.get_backend() == "gloo+shm"
     rank, n = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
@@ -169,17 +170,25 @@ def _matrix() -> tuple[list[str], int]:
         rounds=1,
     )
     bench = sorted((r["op"], r["impl"]) for r in rows if r["busbw_GBps"] > 0 and r["calls"] == 2)
-    return failures, cases, bench
+    kernel = dict(dist.group.WORLD._transport.kernel_calls)
+    return failures, cases, bench, kernel
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_every_op_and_dtype_equals_gloo(world_size):
-    results = run_distributed(_matrix, world_size, backend="gloo+shm", env=ENV, timeout=180)
-    for failures, cases, bench in results:
+@pytest.mark.parametrize(
+    ("world_size", "kernels"), [(2, "C"), (4, "C"), (2, "python fallback (no compiler)")]
+)
+def test_every_op_and_dtype_equals_gloo(world_size, kernels):
+    env = dict(ENV, TORSH_SHM_NO_CC="1" if kernels.startswith("python") else "0")
+    results = run_distributed(_matrix, world_size, backend="gloo+shm", env=env, timeout=180)
+    for failures, cases, bench, kernel in results:
         assert cases > 200
         assert failures == []
         ops = ("all_reduce", "reduce_scatter")
         assert bench == sorted((op, impl) for op in ops for impl in ("shm", "torch"))
+        if kernels == "C":  # every op went through the C kernel at least once, else none did
+            assert set(kernel) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+        else:
+            assert kernel == {}
 
 
 def _hierarchical() -> tuple[int, list[str], dict]:

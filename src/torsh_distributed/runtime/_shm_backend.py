@@ -33,7 +33,12 @@ from torch.futures import Future
 
 from torsh_distributed.runtime._shm_segment import Segment, cleanup_stale_segments, new_name
 from torsh_distributed.runtime._shm_sync import load_flags
-from torsh_distributed.runtime._shm_transport import ShmTransport, segment_bytes, supports
+from torsh_distributed.runtime._shm_transport import (
+    DEFAULT_CHUNK_BYTES,
+    ShmTransport,
+    segment_bytes,
+    supports,
+)
 from torsh_distributed.runtime.errors import DistributedTimeoutError, FeatureNotAvailableError
 
 __all__ = ["BACKEND_NAME", "ShmProcessGroup", "create", "node_key"]
@@ -119,6 +124,7 @@ class ShmProcessGroup(ProcessGroup):
         global_ranks: Sequence[int],
         *,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         super().__init__(rank, size)
         self.counts: Counter[str] = Counter()
@@ -143,7 +149,7 @@ class ShmProcessGroup(ProcessGroup):
         # all-gather and reduce-scatter go node by node only when every node has as many ranks
         # (Gloo's collectives between the leaders need equal sizes)
         self._even_nodes = len({len(g) for g in groups}) == 1
-        self._transport = self._attach(shm_store, slot_bytes, global_ranks)
+        self._transport = self._attach(shm_store, slot_bytes, chunk_bytes, global_ranks)
         self._leader_pg: dist.ProcessGroup | None = None
         if self.num_nodes > 1 and self._local_rank == 0:
             self._leader_pg = dist.ProcessGroupGloo(
@@ -158,7 +164,7 @@ class ShmProcessGroup(ProcessGroup):
         )
 
     def _attach(
-        self, store: dist.Store, slot_bytes: int, global_ranks: Sequence[int]
+        self, store: dist.Store, slot_bytes: int, chunk_bytes: int, global_ranks: Sequence[int]
     ) -> ShmTransport:
         lib = load_flags()
         num = len(self._local)
@@ -191,6 +197,7 @@ class ShmProcessGroup(ProcessGroup):
             local_rank=self._local_rank,
             global_ranks=[global_ranks[r] for r in self._local],
             slot_bytes=slot_bytes,
+            chunk_bytes=chunk_bytes,
             timeout_s=self._timeout_s,
             lib=lib,
         )
@@ -373,6 +380,10 @@ def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
     slot = int(text) if text.strip().isdigit() else 0
     if slot < 4096 or slot % 4096:
         raise ValueError(f"TORSH_SHM_SLOT_BYTES must be a positive multiple of 4096, got {text!r}")
+    text = os.environ.get("TORSH_SHM_CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES))
+    chunk = int(text) if text.strip().isdigit() else 0
+    if chunk < 64 or chunk % 64:
+        raise ValueError(f"TORSH_SHM_CHUNK_BYTES must be a positive multiple of 64, got {text!r}")
     ranks = list(backend_opts.global_ranks_in_group) or list(range(backend_opts.group_size))
     return ShmProcessGroup(
         backend_opts.store,
@@ -381,4 +392,5 @@ def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
         backend_opts.timeout,
         ranks,
         slot_bytes=slot,
+        chunk_bytes=chunk,
     )

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from torsh_distributed.runtime._shm_kernels import KERNELS, bind
 from torsh_distributed.runtime.errors import FeatureNotAvailableError
 
 __all__ = ["FLAG_BYTES", "Flags", "load_flags"]
@@ -108,17 +109,18 @@ def _compile() -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    digest = hashlib.sha256((_SOURCE + platform.machine()).encode()).hexdigest()[:16]
+    source = _SOURCE + KERNELS
+    digest = hashlib.sha256((source + platform.machine()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"shm_sync-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "shm_sync.c"
-        src.write_text(_SOURCE)
+        src.write_text(source)
         out = Path(tmp) / "shm_sync.so"
         done = subprocess.run(
-            [compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
+            [compiler, "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(out), str(src)],
             capture_output=True,
             text=True,
             check=False,
@@ -138,6 +140,11 @@ class Flags:
         self._lib = lib
         self._stride = FLAG_BYTES // 8
         self._cells = [ctypes.c_int64.from_address(address + i * FLAG_BYTES) for i in range(n)]
+
+    @property
+    def address(self) -> int:
+        """Where flag 0 is (the others follow every ``FLAG_BYTES``)."""
+        return self._address
 
     def store(self, index: int, value: int) -> None:
         """Publish ``value`` in flag ``index`` after every earlier store of this process."""
@@ -212,6 +219,7 @@ def load_flags() -> ctypes.CDLL | None:
             ctypes.c_int64,
         ]
         lib.torsh_wait_all.restype = ctypes.c_int
+        bind(lib)
         _LIB = lib
     _LOADED = True
     return _LIB

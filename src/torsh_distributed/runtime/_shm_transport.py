@@ -28,11 +28,14 @@ import ctypes
 import functools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from torsh_distributed.runtime._shm_kernels import KINDS as _KINDS
+from torsh_distributed.runtime._shm_kernels import NATIVE_DTYPES, NATIVE_OPS
 from torsh_distributed.runtime._shm_segment import HEADER_BYTES, Segment, _alive
 from torsh_distributed.runtime._shm_sync import FLAG_BYTES, Flags
 from torsh_distributed.runtime.errors import CommunicationError, DistributedTimeoutError
@@ -52,6 +55,7 @@ DTYPES = (
     torch.int64,
 )
 _ALIGN = 64  # bytes: parts start on cache lines
+DEFAULT_CHUNK_BYTES = 256 << 10  # native all-reduce: stays in the caches between ranks
 _FOLD: dict[str, Callable[..., torch.Tensor]] = {
     "sum": torch.add,
     "avg": torch.add,
@@ -105,6 +109,8 @@ class ShmTransport:
             phases (less synchronisation) but more memory and less overlap.
         timeout_s: Deadline of every wait.
         small_bytes: All-reduces up to this size take the one-phase path.
+        chunk_bytes: Chunk size of the native (C) all-reduce, which keeps three buffers in one
+            half of each rank's slot pair (so at most ``slot_bytes / 3``).
         lib: The compiled flag helper (``None``: x86-64 Python fallback).
     """
 
@@ -117,6 +123,7 @@ class ShmTransport:
         slot_bytes: int,
         timeout_s: float,
         small_bytes: int = 32 << 10,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         lib: ctypes.CDLL | None = None,
     ) -> None:
         self.segment = segment
@@ -127,11 +134,18 @@ class ShmTransport:
         self.timeout_s = timeout_s
         self.small_bytes = small_bytes
         self._seq = 0
-        self._chunks = 0
+        self._hot = 0
+        self.kernel_calls: Counter[str] = Counter()
+        """Collectives run by the C kernel, by kind (none without the compiled helper)."""
+        self.chunk_bytes = chunk_bytes
+        self._slot_base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm)) + _layout(
+            len(global_ranks)
+        )
         self._broken: str | None = None
         self._lock = threading.Lock()
         base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm))
         self._flags = Flags(base + HEADER_BYTES, self.size, lib)
+        self._lib = lib
         raw = torch.frombuffer(segment.mm, dtype=torch.uint8)
         start = _layout(self.size)
         self._slots = [
@@ -144,7 +158,7 @@ class ShmTransport:
 
     # -- synchronisation ---------------------------------------------------------------------
 
-    def _phase(self, op: str) -> None:
+    def _check_usable(self, op: str) -> None:
         if self._broken:
             raise CommunicationError(
                 f"the shared-memory transport is unusable after an earlier failure ({self._broken})",
@@ -152,12 +166,19 @@ class ShmTransport:
                 operation=op,
                 fix="destroy the process group and start again.",
             )
+
+    def _phase(self, op: str) -> None:
+        self._check_usable(op)
         self._seq += 1
         self._flags.store(self.rank, self._seq)
+        self._await(op, lambda budget: self._flags.wait_all(self._seq, budget))
+
+    def _await(self, op: str, wait: Callable[[float], int]) -> None:
+        """Call ``wait(budget_s)`` (-1: done, else the lagging local rank) until done or failed."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
-            lagging = self._flags.wait_all(self._seq, max(min(left, 0.25), 0.0))
+            lagging = wait(max(min(left, 0.25), 0.0))
             if lagging < 0:
                 return
             pid = self.segment.pid(lagging)
@@ -185,11 +206,12 @@ class ShmTransport:
     # -- helpers ---------------------------------------------------------------------------
 
     def _next_parity(self) -> int:
-        # One counter over the chunks of every collective, the same on every rank: a slot is
-        # written again two chunks later, when every rank has passed the first phase of the
-        # chunk in between and so has finished reading it.
-        self._chunks += 1
-        return self._chunks % 2
+        # The halves of every rank's slot pair alternate, the same on every rank: a chunk (or a
+        # native collective) writes the half the previous one did not end in, which every rank
+        # has finished reading (it passed a later phase). Readers of the last phase of the
+        # previous collective may still be in the other half.
+        self._hot = 1 - self._hot
+        return self._hot
 
     def _slot(self, j: int, parity: int, dtype: torch.dtype, count: int) -> torch.Tensor:
         return self._slots[j][parity][: count * dtype.itemsize].view(dtype)
@@ -242,6 +264,9 @@ class ShmTransport:
             if divide > 1:
                 self._fold(flat, [flat], op, divide)
             return
+        if self._lib is not None and flat.dtype in NATIVE_DTYPES:
+            self._native("all_reduce", f"all_reduce({op})", flat, op=op, divide=divide)
+            return
         if flat.numel() * flat.element_size() <= min(self.small_bytes, self.slot_bytes):
             self._all_reduce_small(flat, op, divide)
             return
@@ -271,6 +296,73 @@ class ShmTransport:
                 a, b = bounds[j], bounds[j + 1]
                 if j != self.rank and b > a:
                     chunk[a:b].copy_(self._slot(j, parity, flat.dtype, count)[a:b])
+
+    def _native(
+        self,
+        kind: str,
+        name: str,
+        data: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        op: str = "sum",
+        divide: int = 0,
+        root: int = 0,
+    ) -> None:
+        """Run one collective in the C kernel (see ``_shm_kernels``); ``data`` is flat.
+
+        Broadcast and all-gather move bytes (any dtype); all-reduce and reduce-scatter fold
+        elements of a ``NATIVE_DTYPES`` dtype. For all-gather and reduce-scatter ``data``/``out``
+        hold ``size`` rows of the per-rank count.
+        """
+        self._check_usable(name)
+        lib = self._lib
+        assert lib is not None
+        self.kernel_calls[kind] += 1
+        folds = kind in ("all_reduce", "reduce_scatter")
+        isz = data.element_size() if folds else 1
+        count = data.numel() * data.element_size() // isz
+        if kind == "reduce_scatter":
+            count //= self.size
+        rows = self.size if kind == "reduce_scatter" else 1
+        unit = _ALIGN // isz
+        chunk = max(min(self.chunk_bytes, self.slot_bytes // 3) // rows // isz // unit * unit, unit)
+        small = kind == "all_reduce" and count * isz <= min(self.small_bytes, chunk * isz)
+        state = (ctypes.c_int64 * 3)(self._seq, 0, 0)
+        args = (
+            _KINDS[kind],
+            self._slot_base,
+            2 * self.slot_bytes,
+            self._next_parity() * self.slot_bytes,
+            chunk * rows * isz,
+            self._flags.address,
+            FLAG_BYTES // 8,
+            self.size,
+            self.rank,
+            root,
+            data.data_ptr(),
+            0 if out is None else out.data_ptr(),
+            count,
+            isz,
+            NATIVE_DTYPES.get(data.dtype, -1) if folds else -1,
+            NATIVE_OPS.get(op, 0),
+            float(divide),
+            chunk,
+            int(small),
+            state,
+        )
+
+        def wait(budget_s: float) -> int:
+            lagging = int(lib.torsh_collective(*args, int(budget_s * 1e9)))
+            self._seq = state[0]
+            if lagging == -2:
+                raise CommunicationError(
+                    f"the shared-memory kernel refused {name} (dtype {data.dtype})",
+                    rank=self.global_ranks[self.rank],
+                    operation=name,
+                )
+            return lagging
+
+        self._await(name, wait)
 
     def _parts(self, count: int, dtype: torch.dtype) -> list[int]:
         unit = max(_ALIGN // dtype.itemsize, 1)
@@ -302,6 +394,10 @@ class ShmTransport:
         if self.size == 1:
             self._fold(out, [src[0]], op, divide)
             return
+        if self._lib is not None and out.dtype in NATIVE_DTYPES:
+            name = f"reduce_scatter({op})"
+            self._native("reduce_scatter", name, src, out, op=op, divide=divide)
+            return
         step = self._chunk_elems(out.dtype, parts=self.size)
         name = f"reduce_scatter({op})"
         for lo in range(0, n, step):
@@ -331,6 +427,9 @@ class ShmTransport:
         if self.size == 1:
             out[0].copy_(src)
             return
+        if self._lib is not None:
+            self._native("all_gather", "all_gather", src, out)
+            return
         step = self._chunk_elems(src.dtype)
         for lo in range(0, n, step):
             count = min(step, n - lo)
@@ -347,6 +446,9 @@ class ShmTransport:
         """Copy local rank ``root``'s ``tensor`` into every rank's, in place."""
         flat = tensor.view(-1)
         if self.size == 1:
+            return
+        if self._lib is not None:
+            self._native("broadcast", "broadcast", flat, root=root)
             return
         n = flat.numel()
         step = self._chunk_elems(flat.dtype)

@@ -62,7 +62,9 @@ def _explicit_init(port: int) -> tuple[int, str]:
 def test_explicit_rank_world_and_init_method():
     from torsh_distributed.testing import find_free_port
 
-    assert run_distributed(_explicit_init, 2, args=(find_free_port(),)) == [(0, "gloo"), (1, "gloo")]
+    # backend "auto" with two ranks on this host: the shared-memory backend (docs/shm.md)
+    want = [(0, "gloo+shm"), (1, "gloo+shm")]
+    assert run_distributed(_explicit_init, 2, args=(find_free_port(),)) == want
 
 
 def _raises_on_rank_one() -> None:

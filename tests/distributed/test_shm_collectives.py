@@ -158,6 +158,32 @@ def _matrix() -> tuple[list[str], int, list[tuple[str, str]], dict[str, int]]:
             failures.append(f"sub-group all_reduce {s[:2]}")
     if not torch.equal(t, torch.full((3,), float(sum(range(n))))):
         failures.append(f"async all_reduce {t}")
+    # what goes to Gloo through the Python overrides (torch's trampoline would call it holding
+    # the GIL): all-to-all with uneven splits, send/recv around the ring, coalesced all-reduce
+    for _ in range(3):
+        send_splits = [rank + j + 1 for j in range(n)]
+        recv_splits = [j + rank + 1 for j in range(n)]
+        src = torch.cat([torch.full((k,), 10.0 * rank + j) for j, k in enumerate(send_splits)])
+        got = torch.empty(sum(recv_splits))
+        dist.all_to_all_single(got, src, recv_splits, send_splits)
+        want = torch.cat([torch.full((k,), 10.0 * j + rank) for j, k in enumerate(recv_splits)])
+        if not torch.equal(got, want):
+            failures.append(f"all_to_all_single uneven {got[:4]}")
+    box = torch.full((3,), float(rank))
+    if rank % 2 == 0:
+        dist.send(box, (rank + 1) % n)
+        dist.recv(box, (rank - 1) % n)
+    else:
+        incoming = torch.empty(3)
+        dist.recv(incoming, (rank - 1) % n)
+        dist.send(box, (rank + 1) % n)
+        box = incoming
+    if not torch.equal(box, torch.full((3,), float((rank - 1) % n))):
+        failures.append(f"send/recv ring {box}")
+    pair = [torch.ones(2), torch.full((3,), 2.0)]
+    dist.all_reduce_coalesced(pair)
+    if not (torch.equal(pair[0], torch.full((2,), float(n))) and pair[1][0] == 2.0 * n):
+        failures.append(f"all_reduce_coalesced {pair}")
     # `torsh-dist bench collectives --impl shm` rows (a gloo+shm group beside the default one)
     from torsh_distributed.cli.bench import run_bench
 

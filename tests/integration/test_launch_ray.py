@@ -50,7 +50,7 @@ def test_all_reduce_on_two_actors(ray_cluster: None) -> None:
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["sum"] for r in results] == [3.0, 3.0]  # (0 + 1) + (1 + 1)
     assert results[0]["pid"] != results[1]["pid"]
-    assert {r["backend"] for r in results} == {"gloo"}
+    assert {r["backend"] for r in results} == {"gloo+shm"}  # `auto`, two actors on one host
     env0, env1 = results[0]["env"], results[1]["env"]
     assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] == "127.0.0.1"  # one node: loopback only
     assert env0["MASTER_PORT"] == env1["MASTER_PORT"] != "29500"

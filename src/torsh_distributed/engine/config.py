@@ -148,7 +148,8 @@ class EngineConfig:
     log_every: int = 10
     """Refresh the progress bar's loss/throughput every N steps."""
     backend: str = "auto"
-    """Process group backend: ``auto`` (NCCL if every local rank has a GPU, else Gloo), ``gloo``, ``nccl``,
+    """Process group backend: ``auto`` (NCCL if every local rank has a GPU; else ``gloo+shm`` for
+    several ranks of one host, where shared memory works; else Gloo), ``gloo``, ``nccl``,
     ``gloo+shm`` (shared-memory collectives inside a node, docs/shm.md)."""
     threads: int = 0
     """Torch intra-op threads per rank; 0 = CPU cores divided by local ranks."""

@@ -107,8 +107,8 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables set on every rank for the duration of the call."""
     backend: str = "auto"
-    """Process-group backend: ``auto`` (NCCL when every local rank has a GPU, else Gloo),
-    ``gloo`` or ``nccl``."""
+    """Process-group backend: ``auto`` (NCCL when every local rank has a GPU, else ``gloo+shm``
+    for several ranks of one host or Gloo), ``gloo``, ``nccl`` or ``gloo+shm``."""
 
     def __post_init__(self) -> None:
         if not callable(self.fn):

@@ -64,7 +64,7 @@ def dask(
             single-threaded worker processes on ``127.0.0.1`` is started and closed at the end.
         env: Environment variables set on every rank for the call (not the layout variables);
             restored afterwards, since Dask workers outlive the call.
-        backend: ``auto``, ``gloo`` or ``nccl`` (see :func:`torsh_distributed.init`).
+        backend: ``auto``, ``gloo``, ``nccl`` or ``gloo+shm`` (see :func:`torsh_distributed.init`).
 
     Returns:
         ``fn``'s return value of every rank, in rank order.

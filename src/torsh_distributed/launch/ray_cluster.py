@@ -62,7 +62,7 @@ def ray(
         placement_strategy: How the ranks' reservation spreads over nodes: ``PACK`` (default),
             ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``.
         env: Environment variables set on every rank for the call (not the layout variables).
-        backend: ``auto``, ``gloo`` or ``nccl`` (see :func:`torsh_distributed.init`).
+        backend: ``auto``, ``gloo``, ``nccl`` or ``gloo+shm`` (see :func:`torsh_distributed.init`).
 
     Returns:
         ``fn``'s return value of every rank, in rank order.

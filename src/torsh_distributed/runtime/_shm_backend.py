@@ -41,11 +41,20 @@ from torsh_distributed.runtime._shm_transport import (
 )
 from torsh_distributed.runtime.errors import DistributedTimeoutError, FeatureNotAvailableError
 
-__all__ = ["BACKEND_NAME", "ShmProcessGroup", "create", "node_key"]
+__all__ = ["BACKEND_NAME", "ShmProcessGroup", "create", "node_key", "set_lenient"]
 
 BACKEND_NAME = "gloo+shm"
-DEFAULT_SLOT_BYTES = 4 << 20
+DEFAULT_SLOT_BYTES = 1 << 20
 log = logging.getLogger(__name__)
+_lenient = False
+
+
+def set_lenient(value: bool) -> None:
+    """``True`` (``backend="auto"`` chose this backend): a group whose segment cannot be made
+    (``/dev/shm`` too small or missing) runs every operation on Gloo with a warning instead of
+    failing. ``False`` (the default, ``backend="gloo+shm"`` asked for by name): it fails."""
+    global _lenient
+    _lenient = value
 
 _RED = dist.ReduceOp.RedOpType
 _OPS = {
@@ -150,6 +159,10 @@ class ShmProcessGroup(ProcessGroup):
         # (Gloo's collectives between the leaders need equal sizes)
         self._even_nodes = len({len(g) for g in groups}) == 1
         self._transport = self._attach(shm_store, slot_bytes, chunk_bytes, global_ranks)
+        if _lenient and not self._everyone_has_memory(shm_store, self._transport is not None):
+            if self._transport is not None:
+                self._transport.close()
+            self._transport = None
         self._leader_pg: dist.ProcessGroup | None = None
         if self.num_nodes > 1 and self._local_rank == 0:
             self._leader_pg = dist.ProcessGroupGloo(
@@ -165,7 +178,7 @@ class ShmProcessGroup(ProcessGroup):
 
     def _attach(
         self, store: dist.Store, slot_bytes: int, chunk_bytes: int, global_ranks: Sequence[int]
-    ) -> ShmTransport:
+    ) -> ShmTransport | None:
         lib = load_flags()
         num = len(self._local)
         size = segment_bytes(num, slot_bytes)
@@ -176,6 +189,16 @@ class ShmProcessGroup(ProcessGroup):
             try:
                 segment = Segment.create(new_name(), size=size, num_ranks=num)
             except OSError as exc:
+                if _lenient:
+                    log.warning(
+                        "gloo+shm (chosen by backend='auto'): cannot create a %d B segment in "
+                        "/dev/shm (%s): this group runs on Gloo; mount a larger /dev/shm "
+                        "(docker: --shm-size) for the shared-memory path",
+                        size,
+                        exc,
+                    )
+                    store.set(key, "")
+                    return None
                 raise FeatureNotAvailableError(
                     f"cannot create a {size} B shared-memory segment in /dev/shm: {exc}",
                     rank=self.rank(),
@@ -184,7 +207,10 @@ class ShmProcessGroup(ProcessGroup):
                 ) from exc
             store.set(key, segment.name)
         else:
-            segment = Segment.attach(store.get(key).decode(), size=size, num_ranks=num)
+            name = store.get(key).decode()
+            if not name:  # the node's first rank could not make it (lenient mode)
+                return None
+            segment = Segment.attach(name, size=size, num_ranks=num)
         segment.set_pid(self._local_rank, os.getpid())
         store.add(f"{key}/attached", 1)
         if self._local_rank == 0:
@@ -202,6 +228,21 @@ class ShmProcessGroup(ProcessGroup):
             lib=lib,
         )
 
+    def _everyone_has_memory(self, store: dist.Store, mine: bool) -> bool:
+        """Whether every rank (every node) has its segment: the shared-memory paths need all."""
+        store.add("vote/ok", int(mine))  # before the count: a full count means every vote is in
+        store.add("vote/n", 1)
+        _wait_count(store, "vote/n", self.size(), self._timeout_s, self.rank())
+        return store.add("vote/ok", 0) == self.size()
+
+    @property
+    def _shm(self) -> ShmTransport:
+        assert self._transport is not None  # the callers checked _takes
+        return self._transport
+
+    def _takes(self, tensor: torch.Tensor, op: str | None = None) -> bool:
+        return self._transport is not None and supports(tensor, op)
+
     def _fallback(self, name: str) -> Any:
         self.counts[f"gloo {name}"] += 1
         return getattr(self._gloo, name)
@@ -217,60 +258,62 @@ class ShmProcessGroup(ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = _op_name(opts)
-        if len(tensors) != 1 or op is None or not supports(tensors[0], op):
+        if len(tensors) != 1 or op is None or not self._takes(tensors[0], op):
             return self._fallback("allreduce")(tensors, opts)
         tensor = tensors[0]
         if self.single_node:
-            self._transport.all_reduce(tensor, op)
+            self._shm.all_reduce(tensor, op)
             self.counts["shm allreduce"] += 1
             return _DoneWork(tensors)
         local_op = "sum" if op == "avg" else op
-        self._transport.all_reduce(tensor, local_op)
+        self._shm.all_reduce(tensor, local_op)
         if self._leader_pg is not None:
             outer = dist.AllreduceOptions()
             outer.reduceOp = getattr(dist.ReduceOp, local_op.upper())
             self._leader_pg.allreduce([tensor], outer).wait()
             if op == "avg":
                 tensor.div_(self.size())
-        self._transport.broadcast(tensor, 0)
+        self._shm.broadcast(tensor, 0)
         self.counts["shm allreduce"] += 1
         return _DoneWork(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        if len(tensors) != 1 or not supports(tensors[0]):
+        if len(tensors) != 1 or not self._takes(tensors[0]):
             return self._fallback("broadcast")(tensors, opts)
         tensor, root = tensors[0], opts.rootRank
         root_node = self._node_of[root]
         if root_node == self._node_index:
-            self._transport.broadcast(tensor, self._local.index(root))
+            self._shm.broadcast(tensor, self._local.index(root))
         if self._leader_pg is not None:
             outer = dist.BroadcastOptions()
             outer.rootRank = root_node
             self._leader_pg.broadcast([tensor], outer).wait()
         if root_node != self._node_index:
-            self._transport.broadcast(tensor, 0)
+            self._shm.broadcast(tensor, 0)
         self.counts["shm broadcast"] += 1
         return _DoneWork(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        self._transport.barrier()
+        if self._transport is None:
+            return self._fallback("barrier")(opts if opts is not None else dist.BarrierOptions())
+        self._shm.barrier()
         if self._leader_pg is not None:
             self._leader_pg.barrier().wait()
         if not self.single_node:
-            self._transport.barrier()
+            self._shm.barrier()
         self.counts["shm barrier"] += 1
         return _DoneWork([])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         if (
             not self._even_nodes
-            or not (supports(input) and supports(output))
+            or not (self._takes(input) and self._takes(output))
             or output.numel() != input.numel() * self.size()
             or output.dtype != input.dtype
         ):
             return self._fallback("_allgather_base")(output, input, opts)
         if self.single_node:
-            self._transport.all_gather(output, input)
+            self._shm.all_gather(output, input)
         else:
             self._hierarchical_all_gather(output.view(self.size(), -1), input.reshape(-1))
         self.counts["shm _allgather_base"] += 1
@@ -280,20 +323,20 @@ class ShmProcessGroup(ProcessGroup):
         """shm all-gather in the node, Gloo all-gather of the node blocks between leaders, shm
         broadcast of the whole result in the node."""
         local = torch.empty((len(self._local), input.numel()), dtype=input.dtype)
-        self._transport.all_gather(local, input)
+        self._shm.all_gather(local, input)
         if self._leader_pg is not None:
             blocks = [torch.empty_like(local) for _ in range(self.num_nodes)]
             self._leader_pg.allgather([blocks], [local], AllgatherOptions()).wait()
             for group, block in zip(self._groups, blocks, strict=True):
                 out[group] = block  # rows to their global ranks
-        self._transport.broadcast(out, 0)
+        self._shm.broadcast(out, 0)
 
     def _hierarchical_reduce_scatter(self, out: torch.Tensor, input: torch.Tensor, op: str) -> None:
         """shm all-reduce of the input in the node, Gloo reduce-scatter of the node sums between
         leaders (each leader gets its node's rows), shm broadcast of those rows in the node."""
         local_op = "sum" if op == "avg" else op
         total = input.reshape(self.size(), -1).clone()
-        self._transport.all_reduce(total, local_op)
+        self._shm.all_reduce(total, local_op)
         rows = torch.empty((len(self._local), out.numel()), dtype=out.dtype)
         if self._leader_pg is not None:
             by_node = torch.cat([total[g] for g in self._groups])  # node-major row order
@@ -302,7 +345,7 @@ class ShmProcessGroup(ProcessGroup):
             self._leader_pg._reduce_scatter_base(rows, by_node, outer).wait()
             if op == "avg":
                 rows.div_(self.size())
-        self._transport.broadcast(rows, 0)
+        self._shm.broadcast(rows, 0)
         out.view(-1).copy_(rows[self._local_rank])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
@@ -311,13 +354,13 @@ class ShmProcessGroup(ProcessGroup):
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        if not self._even_nodes or len(inputs) != 1 or not supports(inputs[0]):
+        if not self._even_nodes or len(inputs) != 1 or not self._takes(inputs[0]):
             return self._fallback("allgather")(outputs, inputs, opts)
         if any(o.shape != inputs[0].shape or o.dtype != inputs[0].dtype for o in outputs[0]):
             return self._fallback("allgather")(outputs, inputs, opts)
         flat = torch.empty((self.size(), inputs[0].numel()), dtype=inputs[0].dtype)
         if self.single_node:
-            self._transport.all_gather(flat, inputs[0])
+            self._shm.all_gather(flat, inputs[0])
         else:
             self._hierarchical_all_gather(flat, inputs[0].reshape(-1))
         for j, out in enumerate(outputs[0]):
@@ -332,13 +375,13 @@ class ShmProcessGroup(ProcessGroup):
         if (
             not self._even_nodes
             or op is None
-            or not (supports(input, op) and supports(output, op))
+            or not (self._takes(input, op) and self._takes(output, op))
             or input.numel() != output.numel() * self.size()
             or output.dtype != input.dtype
         ):
             return self._fallback("_reduce_scatter_base")(output, input, opts)
         if self.single_node:
-            self._transport.reduce_scatter(output, input, op)
+            self._shm.reduce_scatter(output, input, op)
         else:
             self._hierarchical_reduce_scatter(output, input, op)
         self.counts["shm _reduce_scatter_base"] += 1
@@ -358,20 +401,64 @@ class ShmProcessGroup(ProcessGroup):
             out is None
             or not self._even_nodes
             or op is None
-            or not supports(out, op)
+            or not self._takes(out, op)
             or any(t.shape != out.shape or t.dtype != out.dtype for t in inputs[0])
         ):
             return self._fallback("reduce_scatter")(outputs, inputs, opts)
         stacked = torch.stack([t.reshape(-1) for t in inputs[0]])
         if self.single_node:
-            self._transport.reduce_scatter(out, stacked, op)
+            self._shm.reduce_scatter(out, stacked, op)
         else:
             self._hierarchical_reduce_scatter(out, stacked, op)
         self.counts["shm reduce_scatter"] += 1
         return _DoneWork(outputs)
 
+    # -- operations Gloo does ------------------------------------------------------------------
+    # torch's C++ trampoline for a Python process group holds the GIL while it looks for these
+    # methods and, when they are missing, calls the C++ base with the GIL still held. A Gloo
+    # worker that frees a finished work drops its tensors' Python objects (needs the GIL) while
+    # holding the queue lock such a call waits for: a deadlock (seen with all_to_all_single in
+    # Horovod's alltoall backward, 1 run in 3). Defined here, they reach Gloo through its Python
+    # binding, which releases the GIL.
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any,
+    ) -> dist.Work:
+        return self._fallback("alltoall_base")(
+            output, input, output_split_sizes, input_split_sizes, opts
+        )
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self._fallback("send")(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._fallback("recv")(tensors, src, tag)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._fallback("allreduce_coalesced")(tensors, opts)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self._allgather_base(out, inp, opts).wait()
+        return _DoneWork(outputs)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self._reduce_scatter_base(out, inp, opts).wait()
+        return _DoneWork(outputs)
+
     def shutdown(self) -> None:
-        self._transport.close()
+        if self._transport is not None:
+            self._transport.close()
 
 
 def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:

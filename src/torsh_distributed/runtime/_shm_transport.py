@@ -326,6 +326,8 @@ class ShmTransport:
         rows = self.size if kind == "reduce_scatter" else 1
         unit = _ALIGN // isz
         chunk = max(min(self.chunk_bytes, self.slot_bytes // 3) // rows // isz // unit * unit, unit)
+        if count == 0:  # no phase: the halves must not alternate either (see _next_parity)
+            return
         small = kind == "all_reduce" and count * isz <= min(self.small_bytes, chunk * isz)
         state = (ctypes.c_int64 * 3)(self._seq, 0, 0)
         args = (

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from torsh_distributed.runtime._shm_backend import BACKEND_NAME, ShmProcessGroup, create
+import os
+import sys
+
+from torsh_distributed.runtime._shm_backend import (
+    BACKEND_NAME,
+    ShmProcessGroup,
+    create,
+    set_lenient,
+)
 from torsh_distributed.runtime._shm_segment import cleanup_stale_segments
 from torsh_distributed.runtime._shm_transport import REDUCE_OPS, ShmTransport
 
@@ -24,6 +32,8 @@ __all__ = [
     "ShmTransport",
     "cleanup_stale_segments",
     "register",
+    "set_lenient",
+    "unavailable_reason",
 ]
 
 
@@ -36,3 +46,27 @@ def register() -> None:
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+
+
+def unavailable_reason() -> str | None:
+    """Why ``backend="auto"`` should not choose ``gloo+shm`` here (``None``: it may).
+
+    Needs Linux, a writable ``/dev/shm`` and the compiled C helper (its kernels are what the
+    benchmarks measured; the Python fallback used without a compiler is slower).
+    """
+    if not sys.platform.startswith("linux"):
+        return f"not Linux ({sys.platform})"
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK)):
+        return "no writable /dev/shm"
+    if os.environ.get("TORSH_SHM_NO_CC") == "1":
+        return "TORSH_SHM_NO_CC=1 (no C helper)"
+    from torsh_distributed.runtime._shm_sync import load_flags
+    from torsh_distributed.runtime.errors import FeatureNotAvailableError
+
+    try:
+        lib = load_flags()
+    except FeatureNotAvailableError as exc:
+        return str(exc).splitlines()[0]
+    if lib is None:
+        return "its C helper could not be built (no C compiler, or TORSH_SHM_NO_CC=1)"
+    return None

@@ -2,7 +2,8 @@
 
 ``init()`` is the one entry point: it reads the launcher's environment (torchrun, ``torsh-dist
 run``, SLURM, Open MPI) or explicit arguments, validates them *before* touching torch.distributed,
-picks the backend (NCCL when every local rank has a CUDA device, else Gloo), selects this rank's
+picks the backend (NCCL when every local rank has a CUDA device, else ``gloo+shm`` for several
+ranks of one host or Gloo), selects this rank's
 device, and returns a :class:`Runtime` that is also a context manager::
 
     import torsh_distributed as tdist
@@ -105,7 +106,11 @@ def _check_int(name: str, value: object) -> int:
 
 
 def resolve_backend(backend: str, *, local_world_size: int = 1) -> str:
-    """Turn ``"auto"`` into ``"nccl"`` or ``"gloo"``; reject impossible choices.
+    """Turn ``"auto"`` into ``"nccl"``, ``"gloo+shm"`` or ``"gloo"``; reject impossible choices.
+
+    ``auto``: NCCL when CUDA has a device for each local rank; else ``gloo+shm`` when there are
+    several local ranks and the shared-memory backend can run here (Linux, a writable
+    ``/dev/shm``, its C helper built); else Gloo.
 
     Raises:
         TypeError: ``backend`` is not a string.
@@ -118,7 +123,9 @@ def resolve_backend(backend: str, *, local_world_size: int = 1) -> str:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name == "auto":
-        return "nccl" if cuda_devices >= local_world_size and cuda_devices > 0 else "gloo"
+        if cuda_devices >= local_world_size and cuda_devices > 0:
+            return "nccl"
+        return _auto_cpu_backend(local_world_size)
     if name == "nccl":
         if cuda_devices == 0:
             raise ValueError(
@@ -128,11 +135,35 @@ def resolve_backend(backend: str, *, local_world_size: int = 1) -> str:
         if not dist.is_nccl_available():
             raise ValueError("backend 'nccl' is not built into this torch; use 'gloo'")
     if name == "gloo+shm":
-        # Not chosen by "auto" yet: see docs/shm.md for the measurements that would decide it.
         from torsh_distributed.runtime.shm import register
 
         register()
     return name
+
+
+def _auto_cpu_backend(local_world_size: int) -> str:
+    """``gloo+shm`` when several ranks share this host and its shared memory works, else Gloo.
+
+    The shared-memory collectives beat Gloo's loopback TCP at every size measured (1 KB to
+    256 MB, docs/benchmarks.md), so there is no size threshold. Chosen this way, a group whose
+    segment cannot be made (a small ``/dev/shm``) warns and runs on Gloo instead of failing.
+    """
+    if local_world_size < 2:
+        return "gloo"
+    from torsh_distributed.runtime import shm
+
+    why_not = shm.unavailable_reason()
+    if why_not is not None:
+        log.info("backend 'auto' -> gloo (gloo+shm unavailable: %s)", why_not)
+        return "gloo"
+    shm.register()
+    shm.set_lenient(True)
+    log.info(
+        "backend 'auto' -> gloo+shm: %d ranks share this host; collectives inside it go through "
+        "shared memory, between hosts through Gloo (backend='gloo' to opt out)",
+        local_world_size,
+    )
+    return "gloo+shm"
 
 
 def _explicit_info(
@@ -180,7 +211,8 @@ def init(
     """Start (or join) the default process group and return this process's :class:`Runtime`.
 
     Args:
-        backend: ``"auto"`` (NCCL when CUDA has a device for each local rank, else Gloo),
+        backend: ``"auto"`` (NCCL when CUDA has a device for each local rank; else ``gloo+shm``
+            when several ranks share this host and shared memory works here; else Gloo),
             ``"gloo"``, ``"nccl"`` or ``"gloo+shm"`` (shared-memory collectives inside a node,
             Gloo between nodes and for everything else; see docs/shm.md).
         rank: This process's global rank. Give it with ``world_size`` to ignore the

@@ -308,7 +308,7 @@ def gloo_built() -> bool:
 def gloo_enabled() -> bool:
     """Whether the running job uses Gloo (before ``init``: whether it would be available)."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_backend() == "gloo"
+        return dist.get_backend() in ("gloo", "gloo+shm")
     return gloo_built()
 
 

@@ -114,7 +114,8 @@ def run(
         timeout_s: Ours: seconds allowed for the rendezvous and for each collective. A rank
             whose peer never arrives fails after it, so a hung job ends; larger values tolerate
             longer pauses (a rank evaluating alone).
-        backend: Ours: ``auto`` (NCCL when every rank has a GPU, else Gloo), ``gloo``, ``nccl``.
+        backend: Ours: ``auto`` (NCCL when every rank has a GPU, else ``gloo+shm`` or Gloo: see
+            :func:`torsh_distributed.init`), ``gloo``, ``nccl``, ``gloo+shm``.
         env: Ours: extra environment variables for the ranks (they inherit this process's).
 
     Returns:

@@ -11,10 +11,10 @@ order, the safety rules (segment names, cleanup, timeouts) and what is trusted.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 import os
 import sys
+
+import torch.distributed as dist
 
 from torsh_distributed.runtime._shm_backend import (
     BACKEND_NAME,

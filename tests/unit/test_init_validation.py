@@ -49,8 +49,15 @@ def test_nccl_without_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_auto_backend_is_gloo_on_cpu():
-    assert resolve_backend("auto", local_world_size=2) == "gloo"
+def test_auto_backend_on_cpu_is_gloo_shm_for_local_ranks_else_gloo():
+    from torsh_distributed.runtime import shm
+
+    assert resolve_backend("auto", local_world_size=1) == "gloo"
+    want = "gloo+shm" if shm.unavailable_reason() is None else "gloo"
+    try:
+        assert resolve_backend("auto", local_world_size=2) == want
+    finally:
+        shm.set_lenient(False)  # resolve_backend set it for the groups of this process
 
 
 def test_bad_timeout():

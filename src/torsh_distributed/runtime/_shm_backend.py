@@ -56,6 +56,7 @@ def set_lenient(value: bool) -> None:
     global _lenient
     _lenient = value
 
+
 _RED = dist.ReduceOp.RedOpType
 _OPS = {
     _RED.SUM: "sum",

@@ -146,6 +146,7 @@ class ShmTransport:
         base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm))
         self._flags = Flags(base + HEADER_BYTES, self.size, lib)
         self._lib = lib
+        self._native_ok = lib is not None and self.size <= 64  # the kernels' source arrays
         raw = torch.frombuffer(segment.mm, dtype=torch.uint8)
         start = _layout(self.size)
         self._slots = [
@@ -264,7 +265,7 @@ class ShmTransport:
             if divide > 1:
                 self._fold(flat, [flat], op, divide)
             return
-        if self._lib is not None and flat.dtype in NATIVE_DTYPES:
+        if self._native_ok and flat.dtype in NATIVE_DTYPES:
             self._native("all_reduce", f"all_reduce({op})", flat, op=op, divide=divide)
             return
         if flat.numel() * flat.element_size() <= min(self.small_bytes, self.slot_bytes):
@@ -396,7 +397,12 @@ class ShmTransport:
         if self.size == 1:
             self._fold(out, [src[0]], op, divide)
             return
-        if self._lib is not None and out.dtype in NATIVE_DTYPES:
+        # the kernel's buffer holds a row of at least 64 B per rank, three times over
+        if (
+            self._native_ok
+            and out.dtype in NATIVE_DTYPES
+            and 3 * _ALIGN * self.size <= self.slot_bytes
+        ):
             name = f"reduce_scatter({op})"
             self._native("reduce_scatter", name, src, out, op=op, divide=divide)
             return
@@ -429,7 +435,7 @@ class ShmTransport:
         if self.size == 1:
             out[0].copy_(src)
             return
-        if self._lib is not None:
+        if self._native_ok:
             self._native("all_gather", "all_gather", src, out)
             return
         step = self._chunk_elems(src.dtype)
@@ -449,7 +455,7 @@ class ShmTransport:
         flat = tensor.view(-1)
         if self.size == 1:
             return
-        if self._lib is not None:
+        if self._native_ok:
             self._native("broadcast", "broadcast", flat, root=root)
             return
         n = flat.numel()

@@ -70,17 +70,6 @@ class RecordingGrid:
         self.received.append({"src": src, "where": where, "array": torch.from_numpy(array.copy())})
 
 
-def _warm_up(grid: Grid, node_ids: list[int]) -> None:
-    """One message to every node first: a node installs the app on its first message of a run,
-    which would otherwise slow the protocol's first stage alone (the answer is an error: the
-    ClientApp handles no query)."""
-    from flwr.app import Message, RecordDict
-
-    pings = [Message(RecordDict(), dst_node_id=nid, message_type="query") for nid in node_ids]
-    replies = list(grid.send_and_receive(pings, timeout=180.0))
-    print(f"federated: {len(replies)} of {len(node_ids)} nodes warmed up", flush=True)
-
-
 @server_app.main()
 def _main(grid: Grid, context: Context) -> None:
     spec = Path(str(context.run_config["spec"]))
@@ -89,7 +78,6 @@ def _main(grid: Grid, context: Context) -> None:
     settings = json.loads((run_dir / "secagg_test.json").read_text())
     wait_for_clients(grid, config.clients, timeout=120.0)
     node_ids = sorted(grid.get_node_ids())
-    _warm_up(grid, node_ids)
     global_state = Task(config).model().state_dict()
     recorder = RecordingGrid(grid)
 
@@ -117,6 +105,7 @@ def _main(grid: Grid, context: Context) -> None:
     torch.save({"state": result.state, "result": numbers}, run_dir / "secagg_result.pt")
     torch.save(recorder.received, run_dir / "received.pt")
     print(
-        f"federated: secagg round done: {result.completed}/{result.sampled} in {result.seconds:.1f} s",
+        f"federated: secagg round done: {result.completed}/{result.sampled} in "
+        f"{result.seconds:.1f} s (start-up {result.startup_seconds:.1f} s)",
         flush=True,
     )

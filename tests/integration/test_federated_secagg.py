@@ -163,6 +163,9 @@ def test_round_completes_when_one_of_five_drops_out(dropout_round: Round) -> Non
     waited = result["stage_seconds"]["collect_masked_vectors"] >= STAGE_TIMEOUT
     assert waited or dead, result
     assert result["bytes"]["up"] > 0 and result["bytes"]["down"] > 0
+    # every node answered the start-up probe itself (not with an error: its ClientApp handles it)
+    assert result["startup_seconds"] > 0
+    assert not [e for e in result["errors"] if "registered" in e or "ClientApp" in e], result
     assert all(c["bytes"] > 0 and c["examples"] > 0 for c in result["clients"])
 
 

@@ -13,6 +13,8 @@ message as a transport would and turns a client's exception into an error reply.
 from __future__ import annotations
 
 import copy
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,32 @@ from torsh_distributed.federated.secagg import (
 from torsh_distributed.federated.task import Task
 
 TOY = Path(__file__).parents[1] / "integration" / "_federated_toy.py"
+
+
+class SlowStartGrid:
+    """An :class:`InProcessGrid` behind push/pull: each reply becomes visible ``delay`` seconds
+    after its message was pushed, as when a SuperNode first starts a ClientApp process."""
+
+    def __init__(self, grid: InProcessGrid, delay: float) -> None:
+        self.grid, self.delay = grid, delay
+        self.ready: dict[str, tuple[float, Message]] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Any) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = mid = uuid.uuid4().hex  # as Flower's grids do
+            for reply in self.grid.send_and_receive([msg]):
+                self.ready[mid] = (time.monotonic() + self.delay, reply)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids: Any) -> list[Message]:
+        now = time.monotonic()
+        due = [i for i in message_ids if i in self.ready and self.ready[i][0] <= now]
+        return [self.ready.pop(i)[1] for i in due]
 
 
 class InProcessGrid:
@@ -108,12 +136,14 @@ def _plain_fedavg(config: FederatedConfig, partitions: list[int]) -> dict[str, t
     return {k: sum(r.state[k].double() * r.num_examples for r in results) / total for k in init}
 
 
-def _round(grid: InProcessGrid, config: FederatedConfig, **kw: Any) -> secagg.SecAggResult:
+def _round(
+    grid: InProcessGrid | SlowStartGrid, config: FederatedConfig, **kw: Any
+) -> secagg.SecAggResult:
     kw.setdefault("num_shares", 0)
     kw.setdefault("reconstruction_threshold", 3)
     return secagg_round(
         grid, config=config, server_round=1, global_state=Task(config).model().state_dict(),
-        node_ids=grid.get_node_ids(), timeout=1.0, **kw,
+        node_ids=grid.get_node_ids(), **{"timeout": 1.0, **kw},
     )  # fmt: skip
 
 
@@ -200,7 +230,8 @@ def test_aggregate_equals_weighted_fedavg_and_replies_are_masked() -> None:
 
     from flwr.common import bytes_to_ndarray
 
-    for reply in grid.replies:
+    assert [r.metadata.message_type for r in grid.replies[:3]] == [_secagg_driver.PROBE_TYPE] * 3
+    for reply in grid.replies[3:]:
         assert all(len(record) == 0 for record in reply.content.array_records.values())
         masked = reply.content.config_records["secaggplus_configs"].get("masked_params", [])
         for blob in masked[1:]:  # [0] is the weight factor
@@ -252,6 +283,27 @@ def test_more_drops_than_the_threshold_allows_halt_the_round() -> None:
     result = _round(grid, _config(5), reconstruction_threshold=4, on_stage=drop)
     assert result.failed_stage == "collect_masked_vectors"
     assert result.state is None and result.completed == 0 and result.error_bound == float("inf")
+
+
+def test_client_app_answers_the_start_up_probe() -> None:
+    grid = InProcessGrid(2)
+    node = grid.get_node_ids()[0]
+    probe = Message(RecordDict(), dst_node_id=node, message_type=_secagg_driver.PROBE_TYPE)
+    reply = secagg_client_app(probe, grid.contexts[node])  # no handler: ValueError
+    assert not reply.has_error()
+    assert reply.metadata.message_type == _secagg_driver.PROBE_TYPE
+
+
+def test_stages_wait_their_timeout_beyond_the_measured_start_up() -> None:
+    """Replies take 1 s (ClientApps starting), each stage's timeout is 0.5 s: the probe measures
+    the start-up and every stage waits for it on top of its timeout."""
+    config = _config(3)
+    grid = InProcessGrid(3)
+    result = _round(SlowStartGrid(grid, delay=1.0), config, timeout=0.5, reconstruction_threshold=2)
+    assert result.errors == []
+    assert result.failed_stage is None and result.completed == 3, result
+    assert result.startup_seconds >= 1.0
+    _assert_within_bound(result.state, _plain_fedavg(config, [0, 1, 2]), result.error_bound)
 
 
 def test_a_client_over_max_weight_refuses_and_says_why() -> None:

@@ -1,7 +1,8 @@
-"""Machinery of :func:`~torsh_distributed.federated.secagg.secagg_round`: the grid it hands
-Flower's SecAgg+ workflow (bytes counted per stage, replies polled every 0.25 s), the legacy
-strategy the workflow consults for one round, and the repair of Flower 1.42's unmask stage for
-clients that dropped before sharing their keys."""
+"""Machinery of :func:`~torsh_distributed.federated.secagg.secagg_round`: the start-up probe
+that measures how long the nodes take to start a ClientApp, the grid it hands Flower's SecAgg+
+workflow (bytes counted per stage, replies polled every 0.25 s), the legacy strategy the workflow
+consults for one round, and the repair of Flower 1.42's unmask stage for clients that dropped
+before sharing their keys."""
 
 from __future__ import annotations
 
@@ -15,7 +16,57 @@ from flwr.app import Message
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["CountingGrid", "OneRound", "forget_silent", "message_bytes"]
+__all__ = [
+    "PROBE_ACTION",
+    "PROBE_TYPE",
+    "CountingGrid",
+    "OneRound",
+    "forget_silent",
+    "message_bytes",
+    "probe",
+]
+
+PROBE_ACTION = "startup"
+PROBE_TYPE = f"query.{PROBE_ACTION}"
+"""Message type of the start-up probe; :data:`~torsh_distributed.federated.secagg.secagg_client_app`
+answers it (a ClientApp without a handler for a type answers with an error, and Flower's
+SuperNode logs the exception and exit code 800)."""
+
+
+def probe(
+    grid: Any, node_ids: Sequence[int], *, timeout: float, poll: float = 0.25
+) -> tuple[float, list[Message]]:
+    """Send every node a :data:`PROBE_TYPE` message and wait for the replies.
+
+    A SuperNode starts a ClientApp process for every message (imports, and the app's install on
+    the first message of a run): on a small shared host several nodes starting at once take
+    longer than a stage's timeout, before the protocol has begun.
+
+    Returns:
+        ``(seconds, replies)``: seconds from sending to the last reply that arrived (all of them
+        when every node answered; the whole ``timeout`` when none did) and the replies.
+    """
+    from flwr.app import RecordDict
+
+    messages = [Message(RecordDict(), dst_node_id=nid, message_type=PROBE_TYPE) for nid in node_ids]
+    sent = time.monotonic()
+    if not (hasattr(grid, "push_messages") and hasattr(grid, "pull_messages")):
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        return time.monotonic() - sent, replies
+    pending = set(grid.push_messages(messages))
+    deadline = sent + timeout
+    replies: list[Message] = []
+    last = deadline
+    while pending:
+        got = list(grid.pull_messages(pending))
+        if got:
+            last = time.monotonic()
+        replies += got
+        pending -= {m.metadata.reply_to_message_id for m in got}
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll)
+    return last - sent, replies
 
 
 class CountingGrid:

@@ -13,6 +13,11 @@ from our round loop by :func:`secagg_round`, which drives the workflow's four st
 4. ``unmask``: the survivors send shares of the live clients' mask seeds and of the dropped
    clients' keys; the server removes the remaining masks and is left with the sum.
 
+Before the first stage every node gets a start-up probe (a ``query.startup`` message, which
+:data:`secagg_client_app` answers at once): a SuperNode starts a ClientApp process per message,
+and the time until the last node answered is added to every stage's timeout, so that a stage
+never closes on live clients that were still starting (a 2-core host took 15-20 s for five).
+
 A client that dies after ``share_keys`` is tolerated while every client keeps at least
 ``reconstruction_threshold`` live neighbours. A client that dies *during* ``setup`` or
 ``share_keys`` never gave out shares; Flower 1.42's workflow would still ask its neighbours for
@@ -83,6 +88,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CLIPPING_RANGE",
     "DEFAULT_QUANTIZATION_RANGE",
+    "DEFAULT_START_TIMEOUT",
     "MODULUS_RANGE",
     "SecAggResult",
     "check_secagg",
@@ -98,6 +104,9 @@ DEFAULT_QUANTIZATION_RANGE = 2**22
 """Flower's default ``Q``: up to 1023 clients fit under :data:`MODULUS_RANGE`."""
 DEFAULT_CLIPPING_RANGE = 8.0
 """Flower's default ``c``; a weighted update coordinate beyond it is clipped."""
+DEFAULT_START_TIMEOUT = 120.0
+"""Longest wait for the nodes' start-up probe (at load 20 on 2 cores, five ClientApps took ~50 s
+to start)."""
 
 STAGES = ("setup", "share_keys", "collect_masked_vectors", "unmask")
 """The protocol's stages, in order (the names :func:`secagg_round` reports)."""
@@ -252,6 +261,8 @@ class SecAggResult:
     """The stage at which the protocol halted, or ``None``."""
     errors: list[str] = field(default_factory=list)
     """The first error replies' reasons (a client that raised, e.g. over ``max_weight``)."""
+    startup_seconds: float = 0.0
+    """Until the last node answered the start-up probe: added to every stage's timeout."""
 
     @property
     def ok(self) -> bool:
@@ -281,6 +292,7 @@ def secagg_round(
     quantization_range: int = DEFAULT_QUANTIZATION_RANGE,
     max_weight: float | None = None,
     proximal_mu: float = 0.0,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
     on_stage: Callable[[str, list[int]], None] | None = None,
 ) -> SecAggResult:
     """Run one round of SecAgg+ over ``node_ids``: they train from ``global_state`` and the
@@ -293,8 +305,9 @@ def secagg_round(
         server_round: The round number the clients train for (seeds their batches).
         global_state: The global weights (CPU state dict); the result has the same keys/dtypes.
         node_ids: The round's sampled nodes (at least 2).
-        timeout: Seconds each of the four stages waits for answers (a dead client costs one
-            wait; the round takes at most ``4 * timeout``). Training happens in the third.
+        timeout: Seconds each of the four stages waits for answers beyond the nodes' measured
+            start-up (see ``start_timeout``): a dead client costs one wait; the round takes at
+            most ``start_timeout + 4 * (timeout + start-up)``. Training happens in the third.
         num_shares: See :func:`check_secagg` (0 = all; more than the round's clients = all).
         reconstruction_threshold: See :func:`check_secagg`.
         clipping_range: ``c``; see the module docstring's bound.
@@ -302,6 +315,12 @@ def secagg_round(
         max_weight: ``W``; ``None`` = :func:`default_max_weight` (exact FedAvg weights). A
             client holding more examples refuses to answer (it would overflow).
         proximal_mu: FedProx's mu, sent to the clients as ``proximal-mu``.
+        start_timeout: Longest wait for the start-up probe, which every node answers as soon
+            as its SuperNode has started a ClientApp (one process per message, on the first
+            message of a run also the app's install). The time until the last answer is the
+            start-up that every stage adds to ``timeout``, so that a slow start (several nodes
+            sharing a few cores, a loaded host) does not close a stage before a live client
+            could answer. A node that never answers costs this wait once.
         on_stage: Called after each stage with its name and the node ids still in.
 
     Returns:
@@ -328,6 +347,8 @@ def secagg_round(
         num, num_shares=shares, reconstruction_threshold=reconstruction_threshold,
         clipping_range=clipping_range, quantization_range=quantization_range, max_weight=max_weight,
     )  # fmt: skip
+    started = time.perf_counter()
+    startup, probed = _secagg_driver.probe(grid, node_ids, timeout=start_timeout)
     weight = float(max_weight if max_weight is not None else default_max_weight(config))
     names = list(global_state)
     parameters = ndarrays_to_parameters([_to_numpy(global_state[k]) for k in names])
@@ -351,7 +372,8 @@ def secagg_round(
     workflow = SecAggPlusWorkflow(
         num_shares=shares / num, reconstruction_threshold=reconstruction_threshold / shares,
         max_weight=weight, clipping_range=float(clipping_range),
-        quantization_range=quantization_range, modulus_range=MODULUS_RANGE, timeout=timeout,
+        quantization_range=quantization_range, modulus_range=MODULUS_RANGE,
+        timeout=timeout + startup,
     )  # fmt: skip
     steps = (workflow.setup_stage, workflow.share_keys_stage)
     steps += (workflow.collect_masked_vectors_stage, workflow.unmask_stage)
@@ -362,7 +384,6 @@ def secagg_round(
     stage_seconds: dict[str, float] = {}
     completed_ids: set[int] = set()
     failed: str | None = None
-    started = time.perf_counter()
     for name, stage in stages.items():
         counting.stage = name
         began = time.perf_counter()
@@ -419,8 +440,14 @@ def secagg_round(
         num_shares=shares,
         reconstruction_threshold=reconstruction_threshold,
         failed_stage=failed,
-        errors=_reasons(state.failures),
+        errors=_reasons([*_probe_failures(probed), *state.failures]),
+        startup_seconds=startup,
     )
+
+
+def _probe_failures(replies: list[Message]) -> list[Exception]:
+    """Error replies to the start-up probe (e.g. a node whose ClientApp lacks the handler)."""
+    return [Exception(r.error) for r in replies if r.has_error()]
 
 
 def _reasons(failures: list[Exception]) -> list[str]:
@@ -467,6 +494,15 @@ secagg_client_app = ClientApp(mods=[secaggplus_mod])
 ``torsh_distributed.federated.secagg:secagg_client_app``): ``secaggplus_mod`` runs the protocol,
 its train handler trains with ``train_round`` and hands the mod the update in Flower's legacy
 fit format."""
+
+
+@secagg_client_app.query(_secagg_driver.PROBE_ACTION)
+def _startup(msg: Message, context: Context) -> Message:
+    """The start-up probe of :func:`secagg_round`: answering it is the whole job."""
+    del context
+    from flwr.app import RecordDict
+
+    return Message(RecordDict(), reply_to=msg)
 
 
 @secagg_client_app.train()

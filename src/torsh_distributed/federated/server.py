@@ -277,6 +277,7 @@ class RoundLoop:
             "secagg": {
                 "error_bound": res.error_bound, "clipped": res.clipped, "failed_stage": res.failed_stage,
                 "stage_seconds": res.stage_seconds, "stage_bytes": res.stage_bytes,
+                "startup_seconds": res.startup_seconds,
                 "num_shares": res.num_shares, "reconstruction_threshold": res.reconstruction_threshold,
             },
             **self.hooks.round_metrics(server_round, res.completed, not failed),

@@ -142,6 +142,27 @@ def _scripted(
     return poll, calls
 
 
+def test_dask_picks_only_running_workers_idle_first() -> None:
+    from torsh_distributed.launch._dask_backend import pick_workers
+
+    def worker(status: str, busy: bool) -> dict[str, Any]:
+        return {
+            "status": status,
+            "host": "127.0.0.1",
+            "metrics": {"task_counts": {"x": 1}} if busy else {},
+        }
+
+    workers = {
+        "tcp://a:1": worker("running", busy=True),  # ran an earlier job's rank
+        "tcp://b:1": worker("closing", busy=False),  # a stopped rank's worker on its way out
+        "tcp://c:1": worker("init", busy=False),  # its replacement, registered but not running
+        "tcp://d:1": worker("running", busy=False),
+    }
+    # wait_for_workers counts 2 running; the scheduler scatters only to running workers
+    assert [a for a, _ in pick_workers(workers, 2)] == ["tcp://d:1", "tcp://a:1"]
+    assert [a for a, _ in pick_workers(workers, 3)] == ["tcp://d:1", "tcp://a:1"]
+
+
 def test_supervise_returns_values_in_rank_order() -> None:
     poll, _ = _scripted(
         [[RankOutcome(rank=1, ok=True, value="b")], [RankOutcome(rank=0, ok=True, value="a")]]

@@ -23,7 +23,7 @@ from torsh_distributed.launch import _workers
 from torsh_distributed.launch._workers import JobSpec, Placement, RankOutcome
 from torsh_distributed.runtime.errors import DistributedTimeoutError, ProcessFailureError
 
-__all__ = ["DaskOptions", "import_distributed", "run"]
+__all__ = ["DaskOptions", "import_distributed", "pick_workers", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +126,17 @@ class _Job:
                 operation="launch.dask",
                 fix="start more workers, lower num_workers, or raise start_timeout_s.",
             ) from exc
-        # Idle workers first (a long-lived cluster may be busy elsewhere), then by host.
-        chosen = sorted(
-            self._workers().items(),
-            key=lambda kv: (
-                bool(kv[1].get("metrics", {}).get("task_counts")),
-                kv[1]["host"],
-                kv[0],
-            ),
-        )[: spec.num_workers]
+        chosen = pick_workers(self._workers(), spec.num_workers)
+        while len(chosen) < spec.num_workers and time.monotonic() < deadline:
+            time.sleep(0.1)  # one left "running" since wait_for_workers (e.g. it is closing)
+            chosen = pick_workers(self._workers(), spec.num_workers)
+        if len(chosen) < spec.num_workers:
+            raise DistributedTimeoutError(
+                f"the Dask cluster did not have {spec.num_workers} running worker(s) within "
+                f"{spec.start_s:g} s",
+                operation="launch.dask",
+                fix="start more workers, lower num_workers, or raise start_timeout_s.",
+            )
         # One copy of the spec per worker; unpickling it there imports fn's module up front.
         [spec_future] = self.client.scatter(
             [spec], workers=[a for a, _ in chosen], broadcast=True, hash=False
@@ -266,6 +268,18 @@ class _Job:
         deadline = time.monotonic() + _GONE_WITHIN_S
         while time.monotonic() < deadline and set(doomed) & set(self._workers()):
             time.sleep(0.1)  # the next job must not pick a worker that is about to vanish
+
+
+def pick_workers(workers: dict[str, dict[str, Any]], num: int) -> list[tuple[str, dict[str, Any]]]:
+    """The ``num`` workers a job takes, from the scheduler's worker list: only those in status
+    ``running`` (the ones ``wait_for_workers`` counts; the list also holds workers still
+    starting, paused, or closing, which the scheduler refuses to scatter to: "No valid workers
+    found"), idle ones first (a long-lived cluster may be busy elsewhere), then by host."""
+    running = [kv for kv in workers.items() if kv[1].get("status", "running") == "running"]
+    return sorted(
+        running,
+        key=lambda kv: (bool(kv[1].get("metrics", {}).get("task_counts")), kv[1]["host"], kv[0]),
+    )[:num]
 
 
 def _with_port(placement: Placement, port: int) -> Placement:

@@ -41,8 +41,12 @@ class FlatLayout:
     total is a multiple of ``world_size * block`` (equal server chunks of whole blocks).
     """
 
-    def __init__(self, numels: list[int], *, block: int, world_size: int) -> None:
+    def __init__(
+        self, numels: list[int], *, block: int, world_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.block = block
+        self.device = torch.device(device)
         self.offsets: list[int] = []
         self.numels = list(numels)
         at = 0
@@ -52,7 +56,7 @@ class FlatLayout:
         unit = block * world_size
         self.total = max(-(-at // unit), 1) * unit
         self.chunk = self.total // world_size
-        mask = torch.zeros(self.total, dtype=torch.bool)
+        mask = torch.zeros(self.total, dtype=torch.bool, device=self.device)
         for off, n in zip(self.offsets, numels, strict=True):
             mask[off : off + n] = True
         self.mask = mask
@@ -61,7 +65,7 @@ class FlatLayout:
 
     def flatten(self, tensors: list[torch.Tensor], *, scale: float = 1.0) -> torch.Tensor:
         """``tensors`` (fp32 copies) in one zero-padded flat buffer, times ``scale``."""
-        flat = torch.zeros(self.total, dtype=torch.float32)
+        flat = torch.zeros(self.total, dtype=torch.float32, device=self.device)
         for off, n, t in zip(self.offsets, self.numels, tensors, strict=True):
             flat[off : off + n].copy_(t.reshape(-1))
         return flat.mul_(scale) if scale != 1.0 else flat
@@ -84,8 +88,8 @@ class OneBitAllReduce:
     def __init__(self, layout: FlatLayout, comm: Comm) -> None:
         self.layout = layout
         self.comm = comm
-        self.worker_error = torch.zeros(layout.total)
-        self.server_error = torch.zeros(layout.chunk)
+        self.worker_error = torch.zeros(layout.total, device=layout.device)
+        self.server_error = torch.zeros(layout.chunk, device=layout.device)
         rank = dist.get_rank(comm.group) if comm.world_size > 1 else 0
         lo = rank * layout.chunk
         self._chunk_mask = layout.mask[lo : lo + layout.chunk]
@@ -120,7 +124,7 @@ class OneBitAllReduce:
         got_bits = self._all_to_all(bits)
         got_scales = self._all_to_all(scales)
         chunk, block = layout.chunk, layout.block
-        server = torch.zeros(chunk)
+        server = torch.zeros(chunk, device=layout.device)
         for b, s in zip(got_bits.view(w, -1), got_scales.view(w, -1), strict=True):
             server += _decode_signs(unpack(b, 1, chunk).bool(), s, block)
         server.mul_(self._chunk_mask).div_(w).add_(self.server_error)
@@ -128,7 +132,7 @@ class OneBitAllReduce:
         torch.sub(server, s_decoded, out=self.server_error)
         # all-gather of the servers' codes: every rank decodes the same vector
         gathered = comm.all_gather([s_bits, s_scales])
-        out = torch.empty(layout.total)
+        out = torch.empty(layout.total, device=layout.device)
         for j, (b, s) in enumerate(gathered):
             out[j * chunk : (j + 1) * chunk] = _decode_signs(unpack(b, 1, chunk).bool(), s, block)
         return out.mul_(layout.mask)

@@ -229,7 +229,7 @@ class Adaptive(Compressor):
             self._decided = True
             self.samples.clear()
         elif self._decided and (self.step - probe_end) % self.window == 0:
-            back = torch.tensor([1 if (_is_main() and self._unstable()) else 0])
+            back = torch.tensor([1 if (_is_main() and self._unstable()) else 0], device=comm.device)
             comm.broadcast(back)
             if int(back) and self.ceiling > 0:
                 self.ceiling = max(0, max((self.choice[k] for k in self._keys()), default=0) - 1)
@@ -245,7 +245,7 @@ class Adaptive(Compressor):
         return sorted(self.choice)
 
     def _set(self, comm: Comm, keys: list[int], choice: dict[int, int]) -> None:
-        vec = torch.tensor([choice.get(k, 0) for k in keys], dtype=torch.int64)
+        vec = torch.tensor([choice.get(k, 0) for k in keys], dtype=torch.int64, device=comm.device)
         comm.broadcast(vec)
         for k, v in zip(keys, vec.tolist(), strict=True):
             self.choice[k] = int(v)

@@ -73,6 +73,14 @@ class Comm:
             self._size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         return self._size
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's collectives take tensors: the current CUDA device under NCCL,
+        else the CPU (small control tensors, such as a broadcast decision, are made here)."""
+        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def all_reduce_sum(self, tensors: Payload) -> Payload:
         """Sum ``tensors`` over ranks in place (one flat message per dtype)."""
         w = self.world_size

@@ -48,7 +48,7 @@ class Bimodal(Compressor):
         n = flat.numel()
         pad = (-n) % self.block
         blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, self.block).float()
-        real = torch.ones(n + pad)
+        real = torch.ones(n + pad, device=flat.device)
         real[n:] = 0  # the padding belongs to neither bin
         real = real.view(-1, self.block)
         positive = (blocks >= 0).float() * real

@@ -122,7 +122,7 @@ class Zstd(Compressor):
 
     def exchange(self, payload: Payload, ctx: Any, comm: Comm, timer: Timer) -> torch.Tensor:
         stream = payload[0]
-        lengths = comm.all_gather([torch.tensor([stream.numel()], dtype=torch.int64)])
+        lengths = comm.all_gather([torch.tensor([stream.numel()], dtype=torch.int64, device=stream.device)])
         sizes = [int(x[0][0]) for x in lengths]
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[: stream.numel()] = stream

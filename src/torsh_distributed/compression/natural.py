@@ -40,12 +40,13 @@ def natural_round(
     bits = x.float().contiguous().view(torch.int32)
     biased = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
-    up = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32) < mantissa
+    draws = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32)
+    up = draws.to(x.device) < mantissa  # drawn on the CPU stream: the same codes on any device
     exponent = biased - 127 + up.to(torch.int32)
     denormal = (biased == 0) & (mantissa != 0)
     if bool(denormal.any()):
         m, e = torch.frexp(x.float()[denormal].abs())  # |x| = m 2^e, m in [0.5, 1)
-        u = torch.rand(m.shape, generator=generator)
+        u = torch.rand(m.shape, generator=generator).to(x.device)
         exponent[denormal] = e.to(torch.int32) - 1 + (u < 2.0 * m - 1.0).to(torch.int32)
     return bits < 0, exponent
 
@@ -79,13 +80,14 @@ class Natural(Compressor):
         # below the smallest code: round to 0 or 2^(base + 1), keeping the mean
         low = nonzero & (code < 1)
         if bool(low.any()):
-            smallest = torch.ldexp(torch.ones(()), torch.tensor(base + 1))
-            u = torch.rand(flat.shape, generator=g)
+            smallest = torch.ldexp(flat.new_ones((), dtype=torch.float32),
+                                   torch.tensor(base + 1, device=flat.device))
+            u = torch.rand(flat.shape, generator=g).to(flat.device)
             keep = u < flat.abs() / smallest
             code = torch.where(low, keep.to(torch.int32), code)
         code = torch.where(nonzero, code, torch.zeros_like(code))
         packed = code.to(torch.uint8) | (negative & (code > 0)).to(torch.uint8) << 7
-        return [packed, torch.tensor([base], dtype=torch.int32)], flat.dtype
+        return [packed, torch.tensor([base], dtype=torch.int32, device=flat.device)], flat.dtype
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         packed, base = payload
@@ -96,7 +98,7 @@ class Natural(Compressor):
         lowest = int(torch.where(used, code, 127).min()) if code.numel() else 127
         highest = int(code.max()) if code.numel() else 0
         if lowest + offset < 1 or highest + offset > 254:  # outside fp32's normal range
-            magnitude = torch.ldexp(torch.ones(code.shape), (biased - 127).float())
+            magnitude = torch.ldexp(torch.ones(code.shape, device=code.device), (biased - 127).float())
             sign = 1.0 - 2.0 * (packed >> 7).float()
             out = torch.where(used, magnitude * sign, torch.zeros_like(magnitude))
         else:  # build the fp32 bits: sign, exponent, zero mantissa

@@ -86,7 +86,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
             i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad
         ]
         world = self.comm.world_size
-        self.layout = FlatLayout([p.numel() for p in self.params], block=block, world_size=world)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.layout = FlatLayout(
+            [p.numel() for p in self.params], block=block, world_size=world, device=device
+        )
         self.onebit = OneBitAllReduce(self.layout, self.comm)
         for p in self.params:  # eager: checkpoint loaders never need a dummy step
             self.state[p] = {

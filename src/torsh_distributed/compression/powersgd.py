@@ -108,7 +108,7 @@ class PowerSGD(Compressor):
                 dense.append((offset, rows * cols if cols else rows))
         return low, dense
 
-    def _q(self, key: int, low: list) -> list[torch.Tensor]:
+    def _q(self, key: int, low: list, device: torch.device) -> list[torch.Tensor]:
         qs = self.qs.get(key)
         if (
             not self.warm_start
@@ -116,7 +116,7 @@ class PowerSGD(Compressor):
             or [q.shape for q in qs] != [(c, r) for _, _, c, r in low]
         ):
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
-            qs = [torch.randn(c, r, generator=g) for _, _, c, r in low]
+            qs = [torch.randn(c, r, generator=g).to(device) for _, _, c, r in low]
         return qs
 
     def compress(
@@ -125,7 +125,7 @@ class PowerSGD(Compressor):
         """One rank's factors (the world-of-one case of :meth:`reduce`): ``[dense, P, Q]``."""
         flat = tensor.reshape(-1)
         low, dense = self._plan(flat.numel(), shapes)
-        qs = self._q(key, low)
+        qs = self._q(key, low, flat.device)
         ps = [
             _orth(flat[o : o + n * m].view(n, m) @ q)
             for (o, n, m, _), q in zip(low, qs, strict=True)
@@ -134,13 +134,14 @@ class PowerSGD(Compressor):
             flat[o : o + n * m].view(n, m).t() @ p for (o, n, m, _), p in zip(low, ps, strict=True)
         ]
         self.qs[key] = [q.clone() for q in qs]
-        payload = [_cat([flat[o : o + k] for o, k in dense]), _cat(ps), _cat(qs)]
+        payload = [_cat([flat[o : o + k] for o, k in dense], flat), _cat(ps, flat), _cat(qs, flat)]
         return payload, (flat.numel(), low, dense)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         n, low, dense = ctx
         dense_flat, p_flat, q_flat = payload
-        out = torch.zeros(n, dtype=dense_flat.dtype if dense_flat.numel() else p_flat.dtype)
+        out = torch.zeros(n, dtype=dense_flat.dtype if dense_flat.numel() else p_flat.dtype,
+                          device=dense_flat.device)
         i = 0
         for o, k in dense:
             out[o : o + k] = dense_flat[i : i + k]
@@ -171,23 +172,23 @@ class PowerSGD(Compressor):
             if self.error_feedback and residual is not None and residual.shape == flat.shape:
                 flat = flat + residual
             low, dense = self._plan(flat.numel(), shapes)
-            qs = self._q(key, low)
+            qs = self._q(key, low, flat.device)
             mats = [flat[o : o + n * m].view(n, m) for o, n, m, _ in low]
             ps = [mat @ q for mat, q in zip(mats, qs, strict=True)]
-            first = _cat([flat[o : o + k] for o, k in dense] + [p.reshape(-1) for p in ps])
+            first = _cat([flat[o : o + k] for o, k in dense] + [p.reshape(-1) for p in ps], flat)
         comm.all_reduce_sum([first])
         with timer.compress:
             num_dense = sum(k for _, k in dense)
             ps = _split(first[num_dense:], [(n, r) for _, n, _, r in low])
             ps = [_orth(p) for p in ps]
-            second = _cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps, strict=True)])
+            second = _cat([(mat.t() @ p).reshape(-1) for mat, p in zip(mats, ps, strict=True)], flat)
         comm.all_reduce_sum([second])
         with timer.decompress:
             second.div_(w)
             qs = _split(second, [(m, r) for _, _, m, r in low])
             self.qs[key] = qs
             ctx = (flat.numel(), low, dense)
-            out = self.decompress([first[:num_dense].div_(w), _cat(ps), second], ctx)
+            out = self.decompress([first[:num_dense].div_(w), _cat(ps, flat), second], ctx)
             if self.error_feedback:
                 residual = flat - out
                 for o, k in dense:  # sent exactly: no error to carry
@@ -213,9 +214,10 @@ class PowerSGD(Compressor):
         self.residuals = {int(k): v.clone() for k, v in state.get("residuals", {}).items()}
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The parts flattened and joined; empty: a 0-entry tensor on ``like``'s device."""
     parts = [p.reshape(-1) for p in parts]
-    return torch.cat(parts) if parts else torch.zeros(0)
+    return torch.cat(parts) if parts else like.new_zeros(0, dtype=torch.float32)
 
 
 def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:

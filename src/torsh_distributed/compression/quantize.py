@@ -63,11 +63,12 @@ class Int8(Compressor):
         self.name = "int8"
 
     def compress(self, tensor: torch.Tensor, *, key: int = 0) -> tuple[Payload, Any]:
-        amax = tensor.abs().max() if tensor.numel() else torch.zeros(())
+        amax = tensor.abs().max() if tensor.numel() else tensor.new_zeros(())
         scale = (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny).reshape(1).float()
         scaled = tensor / scale
         if self.stochastic:
             noise = torch.rand(tensor.shape, generator=self.stream.next(key), dtype=tensor.dtype)
+            noise = noise.to(tensor.device)  # drawn on the CPU stream: the same codes on any device
             codes = torch.floor(scaled + noise)
         else:
             codes = torch.round(scaled)

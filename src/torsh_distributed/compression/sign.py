@@ -54,7 +54,7 @@ class SignSGD(Compressor):
         flat = tensor.reshape(-1)
         blocks = _blocks(flat, self.block)
         # mean |x| over the real entries of each block (the padding of the last one excluded)
-        counts = torch.full((blocks.shape[0],), float(self.block))
+        counts = torch.full((blocks.shape[0],), float(self.block), device=flat.device)
         counts[-1] = flat.numel() - self.block * (blocks.shape[0] - 1)
         scale = blocks.abs().sum(dim=1) / counts
         bits = pack((flat >= 0).to(torch.uint8), 1)
@@ -107,7 +107,8 @@ class Ternary(Compressor):
                 : flat.numel()
             ]
         )
-        keep = torch.rand(flat.shape, generator=self.stream.next(key), dtype=flat.dtype) < prob
+        draws = torch.rand(flat.shape, generator=self.stream.next(key), dtype=flat.dtype)
+        keep = draws.to(flat.device) < prob  # drawn on the CPU stream: same codes on any device
         codes = keep.to(torch.uint8) * torch.where(flat >= 0, 1, 2).to(torch.uint8)
         return [pack(codes, 2), s], (flat.numel(), flat.dtype)
 

@@ -87,23 +87,35 @@ class CountSketch(Compressor):
             self._hashes[(key, n)] = cached
         return cached
 
+    def _hash_on(self, n: int, key: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`_hash` on ``device`` (drawn on the CPU once, so every device agrees; the copy
+        is cached per device)."""
+        cells, signs, c = self._hash(n, key)
+        if cells.device == device:
+            return cells, signs, c
+        moved = self._hashes.get((key, n, str(device)))
+        if moved is None:
+            moved = (cells.to(device), signs.to(device), c)
+            self._hashes[(key, n, str(device))] = moved  # type: ignore[index]
+        return moved
+
     def sketch(self, flat: torch.Tensor, key: int) -> torch.Tensor:
         """The ``rows x columns`` count sketch of ``flat`` (flattened)."""
-        cells, signs, c = self._hash(flat.numel(), key)
-        table = torch.zeros(self.rows * c, dtype=torch.float32)
+        cells, signs, c = self._hash_on(flat.numel(), key, flat.device)
+        table = torch.zeros(self.rows * c, dtype=torch.float32, device=flat.device)
         values = flat.float().repeat(self.rows) * signs
         return table.index_add_(0, cells, values)
 
     def estimate(self, table: torch.Tensor, n: int, key: int) -> torch.Tensor:
         """Every entry's estimate: the median over rows of its signed cell."""
-        cells, signs, _ = self._hash(n, key)
+        cells, signs, _ = self._hash_on(n, key, table.device)
         return (table[cells] * signs).view(self.rows, n).median(dim=0).values
 
     def _heavy(self, table: torch.Tensor, n: int, key: int) -> torch.Tensor:
         est = self.estimate(table, n, key)
         k = min(n, max(1, int(self.heavy * self.columns(n))))
         idx = top_indices(est.abs(), k)
-        out = torch.zeros(n, dtype=torch.float32)
+        out = torch.zeros(n, dtype=torch.float32, device=est.device)
         out[idx] = est[idx]
         return out
 
@@ -139,7 +151,7 @@ class CountSketch(Compressor):
             values = corrected[idx]
         comm.all_reduce_sum([values])  # second round: exact values of the chosen entries
         with timer.decompress:
-            out = torch.zeros(n, dtype=torch.float32)
+            out = torch.zeros(n, dtype=torch.float32, device=values.device)
             out[idx] = values.div_(comm.world_size)
             if self.error_feedback:
                 corrected[idx] = 0.0

@@ -32,7 +32,7 @@ def _k(n: int, ratio: float) -> int:
 
 
 def _scatter(n: int, idx: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros(n, dtype=dtype)
+    out = torch.zeros(n, dtype=dtype, device=values.device)
     out[idx.long()] = values.to(dtype)
     return out
 
@@ -41,7 +41,7 @@ def _gather_sum(payload: Payload, ctx: Any, comm: Comm, timer: Timer) -> torch.T
     gathered = comm.all_gather(payload)
     with timer.decompress:
         n, dtype = ctx[0], ctx[1]
-        out = torch.zeros(n, dtype=dtype)
+        out = torch.zeros(n, dtype=dtype, device=gathered[0][1].device)
         for idx, values in gathered:  # index_add sums pairs of different ranks at one index
             out.index_add_(0, idx.long(), values.to(dtype))
         return out.div_(comm.world_size)
@@ -131,12 +131,12 @@ class Threshold(_Sparse):
 
     def exchange(self, payload: Payload, ctx: Any, comm: Comm, timer: Timer) -> torch.Tensor:
         idx, values = payload
-        counts = comm.all_gather([torch.tensor([idx.numel()], dtype=torch.int64)])
+        counts = comm.all_gather([torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)])
         width = max(int(c[0].item()) for c in counts)
         pad = width - idx.numel()
         # padding points at index 0 with value 0: adding it changes nothing
-        idx = torch.cat([idx, torch.zeros(pad, dtype=idx.dtype)])
-        values = torch.cat([values, torch.zeros(pad, dtype=values.dtype)])
+        idx = torch.cat([idx, idx.new_zeros(pad)])
+        values = torch.cat([values, values.new_zeros(pad)])
         return _gather_sum([idx, values], ctx, comm, timer)
 
 

@@ -105,7 +105,8 @@ def block_quantize(
     """Int8 codes ``(r, n)`` and fp32 scales ``(r, num_blocks)`` (``max |x| / 127`` per block) of
     each row of ``rows`` (``(r, n)``; entry ``j`` is in block ``ids[j]``)."""
     x = rows.float()
-    amax = torch.zeros(x.shape[0], num_blocks).scatter_reduce_(
+    ids = ids.to(x.device)
+    amax = torch.zeros(x.shape[0], num_blocks, device=x.device).scatter_reduce_(
         1, ids.expand_as(x), x.abs(), "amax", include_self=True
     )
     scale = (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
@@ -123,13 +124,16 @@ class _Blocks:
 
     def __init__(self, sizes: Sequence[int], block: int) -> None:
         self.sizes, self.block = list(sizes), block
-        self._cache: dict[int, tuple[torch.Tensor, int]] = {}
+        self._cache: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
 
-    def __call__(self, n: int) -> tuple[torch.Tensor, int]:
-        if n not in self._cache:  # a buffer of another length: plain blocks over it
+    def __call__(self, n: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """Block ids of a buffer of ``n`` entries, on ``device`` (cached per length and device)."""
+        key = (n, str(device))
+        if key not in self._cache:  # a buffer of another length: plain blocks over it
             sizes = self.sizes if sum(self.sizes) == n else [n]
-            self._cache[n] = block_ids(sizes, self.block)
-        return self._cache[n]
+            ids, num = block_ids(sizes, self.block)
+            self._cache[key] = (ids.to(device), num)
+        return self._cache[key]
 
 
 class _Alloc:
@@ -168,7 +172,7 @@ class QuantizedAllGather(_Alloc, AllGather):
                 output_tensor, input_tensor, group=group, async_op=async_op
             )
         t0 = time.perf_counter()
-        ids, num_blocks = self.blocks(n)
+        ids, num_blocks = self.blocks(n, input_tensor.device)
         codes, scale = block_quantize(input_tensor.view(1, n), ids, num_blocks)
         self.stats.seconds += time.perf_counter() - t0
         all_codes = torch.empty(w * codes.numel(), dtype=torch.int8, device=codes.device)
@@ -215,7 +219,7 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
         t0 = time.perf_counter()
-        ids, num_blocks = self.blocks(n)  # each rank's chunk: the shards of every parameter
+        ids, num_blocks = self.blocks(n, input_tensor.device)  # each rank's chunk: the shards of every parameter
         codes, scale = block_quantize(input_tensor.view(w, n), ids, num_blocks)  # row r -> rank r
         self.stats.seconds += time.perf_counter() - t0
         recv_codes, recv_scale = torch.empty_like(codes), torch.empty_like(scale)

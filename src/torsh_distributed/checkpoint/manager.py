@@ -119,6 +119,12 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _default_group_lacks_cpu() -> bool:
+    """An NCCL-only default group (e.g. one CUDA rank): DCP's ``async_save`` needs a group with a
+    CPU backend even when it runs no collective, so the save gets a Gloo group of its own."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
 class CheckpointManager:
     """Save, commit, verify, prune and load checkpoints of one training run.
 
@@ -173,7 +179,9 @@ class CheckpointManager:
         self.world_size = dist.get_world_size() if _distributed() else 1
         # Background saves and main-thread control messages each get their own Gloo group: two
         # threads must never issue collectives on one group (Gloo would pair them up wrongly).
-        self._save_group = side_group("checkpoint-save") if _distributed() else None
+        self._save_group = (
+            side_group("checkpoint-save") if _distributed() or _default_group_lacks_cpu() else None
+        )
         self._ctl_group = side_group("checkpoint-control") if _distributed() else None
         self._pending: threading.Event | None = None
         self._error: BaseException | None = None
@@ -286,7 +294,7 @@ class CheckpointManager:
                     storage_writer=writer,
                     async_stager=self._stager,
                     process_group=self._save_group,
-                    no_dist=self._save_group is None,
+                    no_dist=self.world_size == 1,
                 )
                 # The commit runs in DCP's writer thread once the write is done (no extra thread).
                 done = threading.Event()
@@ -299,7 +307,7 @@ class CheckpointManager:
                     state,
                     storage_writer=writer,
                     process_group=self._save_group,
-                    no_dist=self._save_group is None,
+                    no_dist=self.world_size == 1,
                 )
                 self._commit(tmp, final, step, metric)
         except CheckpointError:

@@ -53,7 +53,8 @@ def predict_peak_rss(
     """Predicted peak resident memory of one rank on CPU, by term.
 
     ``baseline`` (measured before the model exists) + model states (planner, FSDP2 layout) + the
-    largest model-state transient (DDP buckets, or unsharded FSDP parameters) + activations saved
+    largest model-state transient (DDP buckets, none at ``dp == 1`` where no DDP wraps the model;
+    or unsharded FSDP parameters) + activations saved
     for backward + the optimizer step's temporary (torch's foreach Adam allocates one
     ``sqrt(v)`` buffer the size of the local state it steps; foreach SGD with weight decay one
     copy of the gradients, without none). ``optimizer`` is the planner's name (``adam``,
@@ -69,6 +70,8 @@ def predict_peak_rss(
         root_params=num_params - block_params * n_layer,
         dtype=param_dtype,
     )
+    if stage <= 1 and dp == 1:
+        transient = 0  # one data-parallel rank: no DDP wrapper, so no gradient buckets
     local = num_params if stage == 0 else num_params / dp
     terms = {
         "baseline": baseline,

@@ -135,6 +135,10 @@ class Run:
         self.engine, self.runtime, self.started = engine, runtime, started
         self.cfg = engine.config
         self.device = runtime.device
+        self.prefetch = S.Prefetch(
+            lambda step, nb: self._batch(engine.dataset, engine.train_sampler, step, nb),
+            device=self.device, max_steps=self.cfg.max_steps,
+        )
         self.val_history: list[tuple[int, float]] = []  # (step, val loss) of each evaluation
         self.loop_time = 0.0
         self.first_step_at = float("nan")  # unix time of this process's first step
@@ -374,7 +378,7 @@ class Run:
         t0 = time.perf_counter()
         monitor.step_begin(step)
         lr = self._set_lr(step)
-        x, y = self._batch(self.engine.dataset, self.engine.train_sampler, step)
+        x, y = self.prefetch.take(step)
         monitor.phase("data")
         optimizer.zero_grad(set_to_none=True)
         loss = self._forward_backward(x, y)
@@ -387,6 +391,8 @@ class Run:
             self.scheduler.step()
         self.moe.after_step(monitor, step + 1)  # bias balancing, load statistics, rebalancing
         monitor.phase("optimizer")
+        self.prefetch.ahead(step + 1)  # CUDA: while the queued kernels run (see S.Prefetch)
+        monitor.phase("data")
         self.memory.after_step(
             self.built.holder, optimizer, main=self.runtime.is_main, write=self.write
         )
@@ -491,13 +497,16 @@ class Run:
             dist.all_reduce(value)
         return value / (self.dims.data_degree * self.dims.tp)
 
-    def _batch(self, dataset: Any, sampler: GlobalSampler, step: int) -> tuple[Any, Any]:
+    def _batch(
+        self, dataset: Any, sampler: GlobalSampler, step: int, non_blocking: bool = False
+    ) -> tuple[Any, Any]:
         """This data-parallel rank's part of the global batch of ``step``, on the device (the
         batch splits over the ``dp x ep`` ranks)."""
         dims = self.dims
         indices = shard(sampler.indices(step), rank=dims.data_rank(), num_ranks=dims.data_degree)
         x, y = self._fetch(dataset, indices)
-        return S.to_device(x, self.device), S.to_device(y, self.device)
+        return (S.to_device(x, self.device, non_blocking=non_blocking),
+                S.to_device(y, self.device, non_blocking=non_blocking))
 
     def _fetch(self, dataset: Any, indices: Iterable[int] | torch.Tensor) -> Any:
         batch = fetch(dataset, indices, collate=self.engine.collate_fn)

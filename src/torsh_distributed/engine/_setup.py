@@ -41,7 +41,7 @@ from torsh_distributed.parallel.pipeline import (
 )
 from torsh_distributed.parallel.tp_plan import TPPlan, resolve_tp_plan
 
-__all__ = ["RunPlan", "BuiltModel", "plan_run", "build_model", "param_order"]
+__all__ = ["RunPlan", "BuiltModel", "Prefetch", "plan_run", "build_model", "param_order"]
 
 ModelSource = nn.Module | Callable[[], nn.Module]
 PlanLike = TPPlan | Mapping[str, str | ParallelStyle]
@@ -325,12 +325,52 @@ def full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors in a (nested) batch to ``device``."""
+def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+    """Move tensors in a (nested) batch to ``device``. ``non_blocking`` (CUDA): host tensors are
+    pinned first, so the copy is queued on the stream and the call returns at once."""
     if isinstance(batch, torch.Tensor):
+        if non_blocking and device.type == "cuda" and batch.device.type == "cpu":
+            return batch.pin_memory().to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device, non_blocking=non_blocking) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(to_device(v, device, non_blocking=non_blocking) for v in batch)
     return copy.copy(batch)
+
+
+class Prefetch:
+    """The next step's batch, fetched and queued for the device while it still runs this step.
+
+    On CUDA every step ends by reading the loss (a synchronisation), so whatever the loop does
+    on the host between that read and the next forward leaves the GPU idle: fetching, collating
+    and copying the batch. :meth:`ahead` does that work once the step's kernels are queued (the
+    copy from pinned memory runs on the stream, behind them); :meth:`take` hands the batch over,
+    or fetches it now when none was prefetched for that step (the first step, after a resume, or
+    off CUDA, where there is nothing to overlap and nothing is fetched ahead). The batch of a
+    step depends on the step alone (the samplers are stateless), so fetching early changes
+    nothing but the time.
+
+    Args:
+        fetch: ``fetch(step, non_blocking) -> (x, y)`` on the device.
+        device: The rank's device (prefetching only on CUDA).
+        max_steps: No batch is fetched ahead for a step at or past this.
+    """
+
+    def __init__(
+        self, fetch: Callable[[int, bool], tuple[Any, Any]], *, device: torch.device,
+        max_steps: int,
+    ) -> None:
+        self._fetch, self._max_steps = fetch, max_steps
+        self._on = device.type == "cuda"
+        self._held: tuple[int, tuple[Any, Any]] | None = None
+
+    def take(self, step: int) -> tuple[Any, Any]:
+        held, self._held = self._held, None
+        if held is not None and held[0] == step:
+            return held[1]
+        return self._fetch(step, False)
+
+    def ahead(self, step: int) -> None:
+        if self._on and step < self._max_steps:
+            self._held = (step, self._fetch(step, True))

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test install system-deps lint clean
+.PHONY: demo test install system-deps lint clean gpu-check gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,17 @@ demo: install
 
 test: system-deps install
 	$(PY) -m pytest -q --durations=30 tests
+
+# The GPU check (docs/gpu.md): run on a machine with CUDA and PyTorch (the accelerator machine's
+# image: no network there, so the wheels it lacks travel in .whl/, fetched here by gpu-wheels).
+# Without CUDA it makes a dry pass of its steps (tests/unit/test_gpu_check.py runs that in CI).
+gpu-wheels:
+	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl -r scripts/gpu_wheels.txt
+
+gpu-check:
+	python3 scripts/gpu_check.py --install
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

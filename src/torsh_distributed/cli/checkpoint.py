@@ -15,7 +15,6 @@ import json
 import sys
 from pathlib import Path
 
-from torsh_distributed.checkpoint.manager import scan
 from torsh_distributed.checkpoint.manifest import MARKER, verify
 
 __all__ = ["register"]
@@ -52,6 +51,8 @@ def _verify(args: argparse.Namespace) -> int:
         verdict = verify(path)
         print(verdict.describe())
         return 0 if verdict.valid else 1
+    from torsh_distributed.checkpoint.manager import scan  # torch: not for --help
+
     infos = scan(path)
     if not infos:
         print(f"torsh-dist checkpoint verify: no checkpoints (step_*) in {path}", file=sys.stderr)
@@ -70,6 +71,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from torsh_distributed.checkpoint.manager import scan  # torch: not for --help
+
     path = Path(args.dir)
     infos = scan(path, deep=not args.quick)
     if args.json:

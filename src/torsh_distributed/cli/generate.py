@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torsh_distributed.inference.jobs import DTYPES, GenerateJob, plan_generate, run_generate
-from torsh_distributed.inference.sampling import SamplingConfig
+from torsh_distributed.inference.config import DTYPE_NAMES, SamplingConfig
 
 __all__ = ["add_sampling_arguments", "sampling_from_args", "unescape", "register", "main"]
 
@@ -104,7 +103,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype",
         default="float32",
-        choices=list(DTYPES),
+        choices=list(DTYPE_NAMES),
         help="weights' dtype: float32 (as trained), bfloat16/float16 (half the "
         "memory), float64 (exact comparisons). Default: float32",
     )
@@ -138,11 +137,14 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    sampling = sampling_from_args(args)  # refused here, before torch is imported
+    from torsh_distributed.inference.jobs import GenerateJob, plan_generate, run_generate
+
     job = plan_generate(
         GenerateJob(
             checkpoint=args.checkpoint,
             prompt=unescape(args.prompt),
-            sampling=sampling_from_args(args),
+            sampling=sampling,
             tp=args.tp,
             dtype=args.dtype,
             output=args.output or "",
@@ -215,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("runs on the ranks of `torsh-dist generate --tp N`; use that command")
+    from torsh_distributed.inference.jobs import GenerateJob, run_generate
+
     run_generate(GenerateJob.from_json(args.job_json))
     return 0
 

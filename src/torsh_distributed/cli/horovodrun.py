@@ -13,7 +13,6 @@ import tempfile
 import textwrap
 
 from torsh_distributed.compat.horovod._runner import plan_horovodrun
-from torsh_distributed.elastic.launch import launch
 from torsh_distributed.runtime.errors import TorshDistributedError
 
 __all__ = ["register"]
@@ -98,6 +97,8 @@ def _handle(args: argparse.Namespace) -> int:
             return 2
         for note in plan.notes:
             print(f"torsh-dist horovodrun: warning: {note}", file=sys.stderr)
+        from torsh_distributed.elastic.launch import launch  # torch's agent: after the checks
+
         try:
             if plan.module is not None:
                 return launch(plan.options, module=plan.module, args=plan.args)

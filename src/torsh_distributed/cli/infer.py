@@ -16,9 +16,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torsh_distributed.cli.generate import add_sampling_arguments, sampling_from_args
-from torsh_distributed.inference.batch import InferJob, InferSummary, plan_infer, run_infer
+
+if TYPE_CHECKING:  # torch: imported when the command runs, not for --help
+    from torsh_distributed.inference.batch import InferJob, InferSummary
 
 __all__ = ["register", "main"]
 
@@ -48,6 +51,7 @@ of ranks). OUTPUT is written, whole and atomically, only when every prompt is do
 
 def _run(job: InferJob) -> InferSummary | None:
     from torsh_distributed.engine.progress import Progress
+    from torsh_distributed.inference.batch import run_infer
 
     bar: list[Progress] = []
 
@@ -82,11 +86,14 @@ def _run(job: InferJob) -> InferSummary | None:
 def _handle(args: argparse.Namespace) -> int:
     from torsh_distributed.cli.run import options_from_args
 
+    sampling = sampling_from_args(args)  # refused here, before torch is imported
+    from torsh_distributed.inference.batch import InferJob, plan_infer
+
     job = InferJob(
         checkpoint=args.checkpoint,
         input=args.input,
         output=args.output,
-        sampling=sampling_from_args(args),
+        sampling=sampling,
         batch_size=args.batch_size,
         dtype=args.dtype,
         tp=args.tp,
@@ -183,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("runs on the ranks of `torsh-dist infer`; use that command")
+    from torsh_distributed.inference.batch import InferJob
+
     _run(InferJob.from_json(args.job_json))
     return 0
 

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from torsh_distributed.elastic.launch import UNREACHABLE_AFTER_S, LaunchOptions, launch
+from torsh_distributed.elastic._options import UNREACHABLE_AFTER_S, LaunchOptions
 from torsh_distributed.runtime.errors import TorshDistributedError
 
 __all__ = ["add_launch_arguments", "options_from_args", "register"]
@@ -269,6 +269,8 @@ def _handle(args: argparse.Namespace) -> int:
             options = options_from_args(args)
         for warning in caught:
             print(f"torsh-dist run: warning: {warning.message}", file=sys.stderr)
+        from torsh_distributed.elastic.launch import launch  # torch's agent: after the checks
+
         if args.module:
             return launch(options, module=args.script, args=args.script_args)
         return launch(options, script=args.script, args=args.script_args)

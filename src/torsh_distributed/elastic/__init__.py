@@ -7,23 +7,19 @@ torchrun's flags.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torsh_distributed.elastic.launch import LaunchOptions, launch
+from torsh_distributed._lazy import exports
 
 if TYPE_CHECKING:
+    from torsh_distributed.elastic._options import LaunchOptions
+    from torsh_distributed.elastic.launch import launch
     from torsh_distributed.elastic.state import ElasticState, run
 
 __all__ = ["ElasticState", "LaunchOptions", "launch", "run"]
 
-_STATE = ("ElasticState", "run")
-
-
-def __getattr__(name: str) -> Any:
-    # Imported on first use: the state needs the checkpoint manager (torch.distributed.checkpoint,
-    # about 0.5 s to import), which `torsh-dist run` does not, and it imports this package first.
-    if name in _STATE:
-        from torsh_distributed.elastic import state
-
-        return getattr(state, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Imported on first use: launch needs torch's elastic agent and the state the checkpoint manager
+# (torch.distributed.checkpoint), neither of which `torsh-dist run --help` or a refused flag needs.
+__getattr__, __dir__ = exports(
+    __name__, {"_options": ("LaunchOptions",), "launch": ("launch",), "state": ("ElasticState", "run")}
+)

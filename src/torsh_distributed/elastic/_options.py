@@ -10,8 +10,6 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
 __all__ = [
     "LaunchOptions", "parse_nnodes", "RDZV_BACKENDS", "RDZV_CONF_KEYS", "DEFAULT_C10D_PORT",
     "UNREACHABLE_AFTER_S",
@@ -136,6 +134,10 @@ class LaunchOptions:
                 f"rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {self.rdzv_backend!r}"
             )
         if self.rdzv_endpoint is not None:
+            # torch's own parser (what the agent will use), imported only for an endpoint: the
+            # other checks run in `torsh-dist` before torch is loaded.
+            from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
             try:
                 parse_rendezvous_endpoint(self.rdzv_endpoint, default_port=DEFAULT_C10D_PORT)
             except ValueError as exc:

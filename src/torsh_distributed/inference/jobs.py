@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from torsh_distributed.checkpoint.manifest import atomic_write_text
+from torsh_distributed.inference.config import DTYPE_NAMES
 from torsh_distributed.inference.generate import TextGenerator
 from torsh_distributed.inference.load import LoadInfo, find_checkpoint, load_gpt, read_gpt_config
 from torsh_distributed.inference.sampling import SamplingConfig
@@ -45,13 +46,8 @@ __all__ = [
     "load_for_job",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-"""The ``dtype`` names a job accepts."""
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+"""The ``dtype`` names a job accepts and their torch dtypes."""
 
 
 def check_job_fields(checkpoint: str, dtype: str, sampling: object) -> None:

@@ -5,21 +5,28 @@ Prometheus exporter, alerting and a live dashboard (see docs/observability.md).
 aggregations go (:class:`JsonlSink`, the Prometheus exporter, the dashboard, or your own).
 """
 
-from torsh_distributed.monitor.alerts import (
-    AlertManager,
-    AnomalyRule,
-    LogNotifier,
-    RateOfChangeRule,
-    ThresholdRule,
-    WebhookNotifier,
-    load_alerts,
-)
-from torsh_distributed.monitor.anomaly import Anomaly, AnomalyTracker, ZScoreDetector
-from torsh_distributed.monitor.config import MonitorConfig
-from torsh_distributed.monitor.metrics import FIELDS, PHASES, Aggregate, aggregate, gather
-from torsh_distributed.monitor.report import Report, build_report
-from torsh_distributed.monitor.sinks import JsonlSink, MetricsSink
-from torsh_distributed.monitor.step import StepMonitor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torsh_distributed._lazy import exports
+
+if TYPE_CHECKING:
+    from torsh_distributed.monitor.alerts import (
+        AlertManager,
+        AnomalyRule,
+        LogNotifier,
+        RateOfChangeRule,
+        ThresholdRule,
+        WebhookNotifier,
+        load_alerts,
+    )
+    from torsh_distributed.monitor.anomaly import Anomaly, AnomalyTracker, ZScoreDetector
+    from torsh_distributed.monitor.config import MonitorConfig
+    from torsh_distributed.monitor.metrics import FIELDS, PHASES, Aggregate, aggregate, gather
+    from torsh_distributed.monitor.report import Report, build_report
+    from torsh_distributed.monitor.sinks import JsonlSink, MetricsSink
+    from torsh_distributed.monitor.step import StepMonitor
 
 __all__ = [
     "Aggregate",
@@ -44,3 +51,20 @@ __all__ = [
     "gather",
     "load_alerts",
 ]
+
+# On first use: the monitor imports torch; the trainer's config needs only monitor.config.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "alerts": (
+            "AlertManager", "AnomalyRule", "LogNotifier", "RateOfChangeRule", "ThresholdRule",
+            "WebhookNotifier", "load_alerts",
+        ),
+        "anomaly": ("Anomaly", "AnomalyTracker", "ZScoreDetector"),
+        "config": ("MonitorConfig",),
+        "metrics": ("FIELDS", "PHASES", "Aggregate", "aggregate", "gather"),
+        "report": ("Report", "build_report"),
+        "sinks": ("JsonlSink", "MetricsSink"),
+        "step": ("StepMonitor",),
+    },
+)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torsh_distributed.compat.horovod import COMMIT_DIR_ENV
-from torsh_distributed.elastic.launch import LaunchOptions
+from torsh_distributed.elastic._options import LaunchOptions
 
 __all__ = [
     "HorovodRunPlan",

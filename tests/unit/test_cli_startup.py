@@ -1,0 +1,125 @@
+"""``torsh-dist`` prints its help and refuses bad input without importing torch or any optional
+subsystem (Flower, Ray, Dask, FastAPI, transformers): on a loaded host those imports took 20-40 s
+before the first line (issue 37). Speed itself is a benchmark (docs/benchmarks.md, "Start-up");
+these tests check what was imported, in a fresh interpreter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+HEAVY = ("torch", "numpy", "flwr", "ray", "dask", "distributed", "fastapi", "uvicorn", "transformers")
+"""Top-level modules that the parser and its refusals must not load."""
+
+# Runs main() in a fresh interpreter, then reports the exit code and which HEAVY modules loaded.
+_WRAPPER = f"""
+import json, sys
+from torsh_distributed.cli.main import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+loaded = sorted(m for m in {HEAVY!r} if m in sys.modules)
+print(json.dumps({{"code": code, "loaded": loaded}}), file=sys.__stderr__)
+"""
+
+
+def _run(*argv: str) -> tuple[int, list[str], str, str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRAPPER, *argv], capture_output=True, text=True, timeout=120
+    )
+    *lines, report = proc.stderr.rstrip("\n").split("\n")
+    result = json.loads(report)
+    return result["code"], result["loaded"], proc.stdout, "\n".join(lines)
+
+
+def _command_paths() -> list[list[str]]:
+    """Every command and sub-command of ``torsh-dist`` (``[]`` is the top level)."""
+    from torsh_distributed.cli.main import build_parser
+
+    def walk(parser: argparse.ArgumentParser, prefix: list[str]) -> list[list[str]]:
+        paths = [prefix]
+        for action in parser._actions:  # noqa: SLF001
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                for name, child in action.choices.items():
+                    paths += walk(child, [*prefix, name])
+        return paths
+
+    return walk(build_parser(), [])
+
+
+def test_the_command_tree_is_walked():
+    paths = {" ".join(p) for p in _command_paths()}
+    assert {"", "train", "run", "generate", "federated", "plan"} <= paths
+    assert len(paths) >= 15
+
+
+@pytest.mark.parametrize("path", _command_paths(), ids=lambda p: " ".join(p) or "torsh-dist")
+def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
+    code, loaded, out, err = _run(*path, "--help")
+    assert code == 0, err
+    assert out.startswith("usage: torsh-dist"), out[:200]
+    assert loaded == [], f"torsh-dist {' '.join(path)} --help imported {loaded}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["train", "--nproc-per-node", "0"], "torsh-dist train: error: nproc_per_node must be >= 1, got 0"),
+        (["train", "--lr", "-1"], "torsh-dist train: error: optim.lr must be > 0, got -1.0"),
+        (["run", "--nproc-per-node", "0", "x.py"], "torsh-dist run: error: nproc_per_node must be >= 1, got 0"),
+        (
+            ["generate", "--checkpoint", "runs/none", "--prompt", "a", "--top-p", "2"],
+            "torsh-dist generate: error: sampling.top_p must be in (0, 1] (1 = off), got 2.0",
+        ),
+    ],
+    ids=["train-nproc-0", "train-lr", "run-nproc-0", "generate-top-p"],
+)
+def test_refusal_is_one_line_and_imports_no_torch(argv: list[str], line: str):
+    code, loaded, out, err = _run(*argv)
+    assert (code, out, err) == (2, "", line)
+    assert loaded == [], f"torsh-dist {' '.join(argv)} imported {loaded}"
+
+
+def test_package_import_is_light():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, torsh_distributed; "
+         f"print([m for m in {HEAVY!r} if m in sys.modules])"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.stdout.strip() == "[]", proc.stderr
+
+
+@pytest.mark.parametrize(
+    "package",
+    ["torsh_distributed", "torsh_distributed.runtime", "torsh_distributed.checkpoint",
+     "torsh_distributed.comm", "torsh_distributed.compression", "torsh_distributed.data",
+     "torsh_distributed.elastic", "torsh_distributed.inference", "torsh_distributed.monitor",
+     "torsh_distributed.parallel", "torsh_distributed.ps"],
+)
+def test_every_lazy_export_resolves(package: str):
+    import importlib
+
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+    assert set(module.__all__) <= set(dir(module))
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        module.no_such_name  # noqa: B018
+
+
+def test_an_export_named_like_its_module_stays_the_export():
+    import importlib
+
+    inference = importlib.import_module("torsh_distributed.inference")
+    submodule = importlib.import_module("torsh_distributed.inference.generate")
+    assert isinstance(submodule, types.ModuleType)
+    assert inference.generate is submodule.generate
+    from torsh_distributed.inference import generate
+
+    assert callable(generate) and not isinstance(generate, types.ModuleType)

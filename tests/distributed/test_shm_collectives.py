@@ -273,3 +273,48 @@ def test_hierarchical_path_on_simulated_nodes_equals_gloo(nodes):
         assert counts.get("shm allreduce", 0) > 0 and counts.get("shm broadcast", 0) > 0
         assert (counts.get("shm _allgather_base", 0) > 0) == even
         assert (counts.get("gloo _reduce_scatter_base", 0) > 0) == (not even)
+
+
+def _few_phases(max_phases: int) -> tuple[list[str], list[int]]:
+    """Large chunks (``TORSH_SHM_MAX_PHASES``): exact results and the phase count per call."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    transport = dist.group.WORLD._transport
+    failures, phases = [], []
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        x = (torch.arange(60000) % 11 + rank).to(dtype)  # small integers: every order exact
+        got, ref = x.clone(), x.clone()
+        before = transport._seq
+        dist.all_reduce(got)
+        phases.append(transport._seq - before)
+        dist.all_reduce(ref, group=gloo)
+        if not torch.equal(got, ref):
+            failures.append(f"all_reduce {dtype}")
+        full = (torch.arange(60000 * n) % 7 + rank).to(dtype)
+        part, ref_part = torch.empty(60000, dtype=dtype), torch.empty(60000, dtype=dtype)
+        dist.reduce_scatter_tensor(part, full)
+        dist.reduce_scatter_tensor(ref_part, full, group=gloo)
+        out, ref_out = torch.empty(60000 * n, dtype=dtype), torch.empty(60000 * n, dtype=dtype)
+        dist.all_gather_into_tensor(out, x)
+        dist.all_gather_into_tensor(ref_out, x, group=gloo)
+        b = x.clone()
+        dist.broadcast(b, n - 1)
+        if not (torch.equal(part, ref_part) and torch.equal(out, ref_out)):
+            failures.append(f"reduce_scatter / all_gather {dtype}")
+        if not torch.equal(b, (torch.arange(60000) % 11 + n - 1).to(dtype)):
+            failures.append(f"broadcast {dtype}")
+    return failures, phases
+
+
+@pytest.mark.parametrize("max_phases", [1, 3])
+def test_large_chunks_keep_results_and_bound_the_phases(max_phases):
+    """A 240 KB float32 all-reduce in ``max_phases`` chunks (one more phase for the all-gather
+    half): what keeps a busy host's descheduled peers from stalling every small chunk."""
+    env = {"TORSH_SHM_SLOT_BYTES": str(1 << 20), "TORSH_SHM_CHUNK_BYTES": "4096",
+           "TORSH_SHM_MAX_PHASES": str(max_phases)}
+    for failures, phases in run_distributed(
+        _few_phases, 2, args=(max_phases,), backend="gloo+shm", env=env, timeout=120
+    ):
+        assert failures == []
+        assert phases[0] == max_phases + 1  # float32: 240 KB in max_phases chunks
+        assert all(p <= max_phases + 1 for p in phases)

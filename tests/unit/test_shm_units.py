@@ -98,3 +98,18 @@ def test_a_bad_slot_size_is_refused_before_any_group_is_made(monkeypatch, value)
         ValueError, match=f"TORSH_SHM_SLOT_BYTES must be a positive multiple of 4096, got '{value}'"
     ):
         create(None, None)
+
+
+def test_fitted_slot_takes_at_most_a_quarter_of_the_free_space(tmp_path):
+    import os
+
+    from torsh_distributed.runtime._shm_backend import MIN_FITTED_SLOT_BYTES, fitted_slot
+
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    huge = 1 << 50
+    fit = fitted_slot(huge, 4, directory=str(tmp_path))
+    assert fit % 4096 == 0 and MIN_FITTED_SLOT_BYTES <= fit < huge
+    assert 2 * 4 * fit <= max(free // 4, 2 * 4 * MIN_FITTED_SLOT_BYTES)
+    assert fitted_slot(8192, 4, directory=str(tmp_path)) == 8192  # never above what was asked
+    assert fitted_slot(1 << 23, 2, directory=str(tmp_path / "missing")) == 1 << 23

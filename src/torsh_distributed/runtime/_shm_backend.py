@@ -35,6 +35,7 @@ from torsh_distributed.runtime._shm_segment import Segment, cleanup_stale_segmen
 from torsh_distributed.runtime._shm_sync import load_flags
 from torsh_distributed.runtime._shm_transport import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_PHASES,
     ShmTransport,
     segment_bytes,
     supports,
@@ -44,7 +45,11 @@ from torsh_distributed.runtime.errors import DistributedTimeoutError, FeatureNot
 __all__ = ["BACKEND_NAME", "ShmProcessGroup", "create", "node_key", "set_lenient"]
 
 BACKEND_NAME = "gloo+shm"
-DEFAULT_SLOT_BYTES = 1 << 20
+DEFAULT_SLOT_BYTES = 8 << 20
+"""Slot size unless ``TORSH_SHM_SLOT_BYTES`` says otherwise: chunks of up to a third of it keep
+a 32 MB all-reduce to a dozen phases, which a busy host needs (docs/shm.md); a group's segment
+takes at most a quarter of the free ``/dev/shm`` (the slot shrinks to fit, to 1 MiB at least)."""
+MIN_FITTED_SLOT_BYTES = 1 << 20
 log = logging.getLogger(__name__)
 _lenient = False
 
@@ -135,8 +140,12 @@ class ShmProcessGroup(ProcessGroup):
         *,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_phases: int = DEFAULT_MAX_PHASES,
+        fit_slot: bool = False,
     ) -> None:
         super().__init__(rank, size)
+        self._max_phases = max_phases
+        self._fit_slot = fit_slot
         self.counts: Counter[str] = Counter()
         """Calls per path (``"shm allreduce"``, ``"gloo alltoall"``, ...): what took the fast path."""
         self._timeout_s = timeout.total_seconds()
@@ -182,11 +191,13 @@ class ShmProcessGroup(ProcessGroup):
     ) -> ShmTransport | None:
         lib = load_flags()
         num = len(self._local)
-        size = segment_bytes(num, slot_bytes)
         leader = self._local[0]
         key = f"segment/{leader}"
         if self._local_rank == 0:
             cleanup_stale_segments()
+            if self._fit_slot:
+                slot_bytes = fitted_slot(slot_bytes, num)
+            size = segment_bytes(num, slot_bytes)
             try:
                 segment = Segment.create(new_name(), size=size, num_ranks=num)
             except OSError as exc:
@@ -206,12 +217,14 @@ class ShmProcessGroup(ProcessGroup):
                     operation="gloo+shm init",
                     fix="mount /dev/shm with enough space (docker: --shm-size), or use 'gloo'.",
                 ) from exc
-            store.set(key, segment.name)
+            store.set(key, f"{segment.name}:{slot_bytes}")
         else:
-            name = store.get(key).decode()
-            if not name:  # the node's first rank could not make it (lenient mode)
+            published = store.get(key).decode()
+            if not published:  # the node's first rank could not make it (lenient mode)
                 return None
-            segment = Segment.attach(name, size=size, num_ranks=num)
+            name, _, slot_text = published.rpartition(":")
+            slot_bytes = int(slot_text)  # the first rank's (fitted) slot
+            segment = Segment.attach(name, size=segment_bytes(num, slot_bytes), num_ranks=num)
         segment.set_pid(self._local_rank, os.getpid())
         store.add(f"{key}/attached", 1)
         if self._local_rank == 0:
@@ -225,6 +238,7 @@ class ShmProcessGroup(ProcessGroup):
             global_ranks=[global_ranks[r] for r in self._local],
             slot_bytes=slot_bytes,
             chunk_bytes=chunk_bytes,
+            max_phases=self._max_phases,
             timeout_s=self._timeout_s,
             lib=lib,
         )
@@ -462,6 +476,19 @@ class ShmProcessGroup(ProcessGroup):
             self._transport.close()
 
 
+def fitted_slot(slot_bytes: int, num_ranks: int, directory: str = "/dev/shm") -> int:
+    """``slot_bytes``, shrunk so that a segment of ``num_ranks`` ranks takes at most a quarter of
+    the free space of ``directory`` (a multiple of 4096, at least ``MIN_FITTED_SLOT_BYTES``, and
+    never above ``slot_bytes``); ``slot_bytes`` where the free space cannot be read."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return slot_bytes
+    free = st.f_bavail * st.f_frsize
+    fit = free // 4 // (2 * num_ranks) // 4096 * 4096
+    return max(min(slot_bytes, fit), min(slot_bytes, MIN_FITTED_SLOT_BYTES))
+
+
 def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
     """torch's creator hook (``register_backend(..., extended_api=True)``)."""
     text = os.environ.get("TORSH_SHM_SLOT_BYTES", str(DEFAULT_SLOT_BYTES))
@@ -472,6 +499,10 @@ def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
     chunk = int(text) if text.strip().isdigit() else 0
     if chunk < 64 or chunk % 64:
         raise ValueError(f"TORSH_SHM_CHUNK_BYTES must be a positive multiple of 64, got {text!r}")
+    text = os.environ.get("TORSH_SHM_MAX_PHASES", str(DEFAULT_MAX_PHASES))
+    phases = int(text) if text.strip().isdigit() else 0
+    if phases < 1:
+        raise ValueError(f"TORSH_SHM_MAX_PHASES must be a positive integer, got {text!r}")
     ranks = list(backend_opts.global_ranks_in_group) or list(range(backend_opts.group_size))
     return ShmProcessGroup(
         backend_opts.store,
@@ -481,4 +512,6 @@ def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
         ranks,
         slot_bytes=slot,
         chunk_bytes=chunk,
+        max_phases=phases,
+        fit_slot="TORSH_SHM_SLOT_BYTES" not in os.environ,  # a slot asked for is used as asked
     )

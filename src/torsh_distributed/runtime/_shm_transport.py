@@ -56,6 +56,7 @@ DTYPES = (
 )
 _ALIGN = 64  # bytes: parts start on cache lines
 DEFAULT_CHUNK_BYTES = 256 << 10  # native all-reduce: stays in the caches between ranks
+DEFAULT_MAX_PHASES = 8  # larger tensors take larger chunks (up to a third of a slot)
 _FOLD: dict[str, Callable[..., torch.Tensor]] = {
     "sum": torch.add,
     "avg": torch.add,
@@ -109,7 +110,10 @@ class ShmTransport:
             phases (less synchronisation) but more memory and less overlap.
         timeout_s: Deadline of every wait.
         small_bytes: All-reduces up to this size take the one-phase path.
-        chunk_bytes: Chunk size of the native (C) all-reduce, which keeps three buffers in one
+        max_phases: The native kernels use chunks of at least ``total / max_phases`` bytes (up
+            to a third of a slot): every chunk is a phase that every rank must reach, and on a
+            busy host a descheduled peer stalls each one, so large tensors go in few phases.
+        chunk_bytes: Smallest chunk of the native (C) all-reduce, which keeps three buffers in one
             half of each rank's slot pair (so at most ``slot_bytes / 3``).
         lib: The compiled flag helper (``None``: x86-64 Python fallback).
     """
@@ -124,8 +128,12 @@ class ShmTransport:
         timeout_s: float,
         small_bytes: int = 32 << 10,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_phases: int = DEFAULT_MAX_PHASES,
         lib: ctypes.CDLL | None = None,
     ) -> None:
+        if max_phases < 1:
+            raise ValueError(f"max_phases must be >= 1, got {max_phases}")
+        self.max_phases = max_phases
         self.segment = segment
         self.rank = local_rank
         self.size = len(global_ranks)
@@ -326,7 +334,8 @@ class ShmTransport:
             count //= self.size
         rows = self.size if kind == "reduce_scatter" else 1
         unit = _ALIGN // isz
-        chunk = max(min(self.chunk_bytes, self.slot_bytes // 3) // rows // isz // unit * unit, unit)
+        target = max(self.chunk_bytes, -(-count * isz * rows // self.max_phases))
+        chunk = max(min(target, self.slot_bytes // 3) // rows // isz // unit * unit, unit)
         if count == 0:  # no phase: the halves must not alternate either (see _next_parity)
             return
         small = kind == "all_reduce" and count * isz <= min(self.small_bytes, chunk * isz)

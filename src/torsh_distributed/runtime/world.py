@@ -158,10 +158,14 @@ def _auto_cpu_backend(local_world_size: int) -> str:
         return "gloo"
     shm.register()
     shm.set_lenient(True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     log.info(
-        "backend 'auto' -> gloo+shm: %d ranks share this host; collectives inside it go through "
-        "shared memory, between hosts through Gloo (backend='gloo' to opt out)",
+        "backend 'auto' -> gloo+shm: %d ranks share this host (%s usable cores); collectives "
+        "inside it go through shared memory in few large phases (measured ahead of Gloo beside "
+        "CPU-heavy neighbours up to 2 ranks per core: docs/benchmarks.md), between hosts through "
+        "Gloo (backend='gloo' to opt out)",
         local_world_size,
+        cores,
     )
     return "gloo+shm"
 

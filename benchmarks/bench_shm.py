@@ -16,6 +16,12 @@ time (the slowest rank's best copy): a rank's share of the node's memory bandwid
 peers use theirs, which is what a collective's ranks get (on the 2-core VM two copies at once
 get about half each). Prints a Markdown table with the load average beside it; ranks run with
 ``OMP_NUM_THREADS=1``.
+
+``--burners-per-core B`` starts ``B x cores`` CPU-burning processes (a busy loop each, the
+neighbours of a busy host) before the ranks and stops them after; ``--rounds R`` repeats every
+world size R times (a row per round)::
+
+    python benchmarks/bench_shm.py --ranks 2 --sizes 32M --burners-per-core 1 --rounds 3
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -104,14 +111,14 @@ def _rank_body(sizes: list[int], warmup: int) -> dict:
     return {"rows": rows}
 
 
-def _table(results: dict[int, dict]) -> str:
+def _table(results: dict[int, list[dict]]) -> str:
     lines = [
         "| ranks | size (B) | Gloo busbw (GB/s) | shm busbw (GB/s) | shm / Gloo "
         "| memcpy 1 thread (GB/s) | shm / memcpy | memcpy, all ranks at once (GB/s) "
         "| shm / that |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, res in results.items():
+    for n, res in ((n, res) for n, rounds in results.items() for res in rounds):
         by = {(r["impl"], r["size"]): r for r in res["rows"]}
         for size in sorted({r["size"] for r in res["rows"]}):
             g, s = by[("gloo", size)], by[("gloo+shm", size)]
@@ -130,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1K,64K,1M,32M,256M", help="comma list of sizes")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size and impl")
     parser.add_argument("--json", default="", help="write the results to this file")
+    parser.add_argument("--burners-per-core", type=int, default=0,
+                        help="CPU-burning neighbour processes per core during the run")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every world size")
     args = parser.parse_args(argv)
+    if args.burners_per_core < 0 or args.rounds < 1:
+        parser.error("--burners-per-core must be >= 0 and --rounds >= 1")
     try:
         ranks = [int(x) for x in args.ranks.split(",")]
         sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -139,19 +151,30 @@ def main(argv: list[str] | None = None) -> int:
     if any(r < 2 for r in ranks):
         parser.error("--ranks: world sizes must be >= 2")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(args.burners_per_core * (os.cpu_count() or 1))
+    ]
     load_before = os.getloadavg()
-    results = {}
-    for n in ranks:
-        out = run_distributed(
-            _rank_body,
-            n,
-            args=(sizes, args.warmup),
-            backend="gloo+shm",
-            timeout=900,
-            env={"OMP_NUM_THREADS": "1"},
-        )
-        results[n] = out[0]
+    results: dict[int, list[dict]] = {}
+    try:
+        for _ in range(args.rounds):
+            for n in ranks:
+                out = run_distributed(
+                    _rank_body,
+                    n,
+                    args=(sizes, args.warmup),
+                    backend="gloo+shm",
+                    timeout=900,
+                    env={"OMP_NUM_THREADS": "1"},
+                )
+                results.setdefault(n, []).append(out[0])
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
     load_after = os.getloadavg()
+    print(f"{len(burners)} burner process(es) beside the ranks")
     print(_table(results))
     print(
         f"load average (1/5/15 min) before: {load_before}, after: {load_after}; "

@@ -12,11 +12,12 @@ stores from Python (its memory model is TSO: stores are not reordered with store
 loads, and a Python-level call boundary stops the compiler reordering); other architectures
 then refuse the backend.
 
-Waiting spins briefly, yields the core a few hundred times, then sleeps in the kernel (a futex
-on the laggard's flag, which its owner's store wakes when someone sleeps on it): ranks often
-outnumber cores on a shared CPU host, and a polling waiter takes the cycles of the rank it
-waits for. A rank waiting 2 s in a barrier used 0.013 s of CPU this way, against 0.22 s when
-it polled every 50 us; all-reduce bandwidth moved by less than the load noise of the 2-core VM.
+Waiting spins briefly (1024 polls), then sleeps in the kernel (a futex on the laggard's flag,
+which its owner's store wakes when someone sleeps on it): ranks often outnumber cores on a
+shared CPU host, and a polling waiter takes the cycles of the rank it waits for. There is no
+``sched_yield`` phase: beside CPU-bound neighbours a yield gives the core to one of them for a
+whole time slice (measured in docs/benchmarks.md). ``TORSH_SHM_CFLAGS`` (e.g.
+``-DTORSH_SPINS=64``) rebuilds the helper with other settings, for such measurements.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ _SOURCE = r"""
 #include <unistd.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
+/* Polls of the flags before sleeping on a laggard's futex. No sched_yield phase: beside
+   CPU-bound neighbours a yield hands the core to one of them for a whole time slice, so a
+   waiter whose peer had long arrived woke milliseconds late (32 MB all-reduce beside one burner
+   per core: 0.7x Gloo with 448 yields, 2.9x without; docs/benchmarks.md). */
+#ifndef TORSH_SPINS
+#define TORSH_SPINS 1024
+#endif
 
 /* The futex word is the low half of a flag (the counter's low 32 bits change every phase). */
 static int32_t *word(int64_t *p) {
@@ -67,9 +75,8 @@ void torsh_store(int64_t *p, int64_t v) {
 int64_t torsh_load(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
 /* Wait until base[i * stride] >= target for every i < n, for at most budget_ns.
-   Returns -1 when all arrived, else the first index that has not. Spins briefly, yields the
-   core a few hundred times, then sleeps in the kernel on the laggard's flag until its owner's
-   store wakes it (or 10 ms pass). */
+   Returns -1 when all arrived, else the first index that has not. Spins briefly, then sleeps
+   in the kernel on the laggard's flag until its owner's store wakes it (or 10 ms pass). */
 int torsh_wait_all(int64_t *base, int stride, int n, int64_t target, int64_t budget_ns) {
     struct timespec t0, now;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -78,8 +85,7 @@ int torsh_wait_all(int64_t *base, int stride, int n, int64_t target, int64_t bud
         while (first < n && __atomic_load_n(base + (int64_t)first * stride, __ATOMIC_ACQUIRE) >= target)
             first++;
         if (first == n) return -1;
-        if (spin < 64) continue;
-        if (spin < 512) { sched_yield(); continue; }
+        if (spin < TORSH_SPINS) continue;
         clock_gettime(CLOCK_MONOTONIC, &now);
         int64_t spent = (now.tv_sec - t0.tv_sec) * 1000000000LL + (now.tv_nsec - t0.tv_nsec);
         if (spent >= budget_ns) return first;
@@ -105,12 +111,17 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+_EXTRA_FLAGS = [f for f in os.environ.get("TORSH_SHM_CFLAGS", "").split() if f]  # experiments
+
+
 def _compile() -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
     source = _SOURCE + KERNELS
-    digest = hashlib.sha256((source + platform.machine()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(
+        (source + platform.machine() + " ".join(_EXTRA_FLAGS)).encode()
+    ).hexdigest()[:16]
     target = _cache_dir() / f"shm_sync-{digest}.so"
     if target.exists():
         return target
@@ -120,7 +131,8 @@ def _compile() -> Path | None:
         src.write_text(source)
         out = Path(tmp) / "shm_sync.so"
         done = subprocess.run(
-            [compiler, "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(out), str(src)],
+            [compiler, "-O3", "-ffp-contract=off", *_EXTRA_FLAGS, "-shared", "-fPIC", "-o", str(out),
+             str(src)],
             capture_output=True,
             text=True,
             check=False,
@@ -173,9 +185,7 @@ class Flags:
             if lagging < 0 or time.monotonic() >= end:
                 return lagging
             spins += 1
-            if spins < 256:
-                os.sched_yield()
-            else:
+            if spins >= 64:  # a few polls, then short sleeps (no yields: see the module docstring)
                 time.sleep(5e-5)
 
 

@@ -99,8 +99,8 @@ def test_package_import_is_light():
     "package",
     ["torsh_distributed", "torsh_distributed.runtime", "torsh_distributed.checkpoint",
      "torsh_distributed.comm", "torsh_distributed.compression", "torsh_distributed.data",
-     "torsh_distributed.elastic", "torsh_distributed.inference", "torsh_distributed.monitor",
-     "torsh_distributed.parallel", "torsh_distributed.ps"],
+     "torsh_distributed.elastic", "torsh_distributed.energy", "torsh_distributed.inference",
+     "torsh_distributed.monitor", "torsh_distributed.parallel", "torsh_distributed.ps"],
 )
 def test_every_lazy_export_resolves(package: str):
     import importlib

@@ -289,7 +289,7 @@ def user_factories(args: argparse.Namespace) -> UserFactories | None:
 def _check_world(config: TrainConfig, world_size: int, user: UserFactories | None) -> None:
     """The engine's checks that need only the world size (degrees, batch split, pipeline
     schedule), before any rank starts: the same function every rank runs again."""
-    from torsh_distributed.engine._setup import plan_run
+    from torsh_distributed.engine._plan import plan_run
 
     par, plan = config.parallel, None
     if par.tp > 1:

@@ -7,22 +7,30 @@ time shifting (:class:`TimeShift`: pause while the series is above a threshold) 
 (:class:`ScalePolicy`, :class:`CarbonScale`: more workers while the series is clean).
 """
 
-from torsh_distributed.energy.auto import open_meter
-from torsh_distributed.energy.carbon import (
-    ConstantIntensity,
-    IntensitySeries,
-    grams_of_trace,
-    load_series,
-    region_intensity,
-)
-from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
-from torsh_distributed.energy.estimate import CpuTimeEstimate
-from torsh_distributed.energy.meters import METERS, EnergyMeter, MeterUnavailableError
-from torsh_distributed.energy.nvml import NvmlMeter
-from torsh_distributed.energy.rapl import RaplMeter
-from torsh_distributed.energy.scale import CarbonScale, ScalePolicy, scaling_summary
-from torsh_distributed.energy.shift import ShiftPolicy, TimeShift, parse_deadline
-from torsh_distributed.energy.tracker import EnergyTracker, combine
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torsh_distributed._lazy import exports
+
+if TYPE_CHECKING:
+    from torsh_distributed.energy.auto import open_meter
+    from torsh_distributed.energy.carbon import (
+        ConstantIntensity,
+        IntensitySeries,
+        grams_of_trace,
+        load_series,
+        region_intensity,
+    )
+    from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
+    from torsh_distributed.energy.estimate import CpuTimeEstimate
+    from torsh_distributed.energy.meters import METERS, EnergyMeter, MeterUnavailableError
+    from torsh_distributed.energy.nvml import NvmlMeter
+    from torsh_distributed.energy.rapl import RaplMeter
+    from torsh_distributed.energy.scale import CarbonScale, ScalePolicy, scaling_summary
+    from torsh_distributed.energy.shift import ShiftPolicy, TimeShift, parse_deadline
+    from torsh_distributed.energy.tracker import EnergyTracker, combine
+
 
 __all__ = [
     "METERS",
@@ -48,3 +56,24 @@ __all__ = [
     "region_intensity",
     "scaling_summary",
 ]
+
+# On first use: the meters, tracker and carbon series are for the ranks; the CLI needs
+# energy.config.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "auto": ("open_meter",),
+        "carbon": (
+            "ConstantIntensity", "IntensitySeries", "grams_of_trace", "load_series",
+            "region_intensity",
+        ),
+        "config": ("CarbonConfig", "EnergyConfig"),
+        "estimate": ("CpuTimeEstimate",),
+        "meters": ("METERS", "EnergyMeter", "MeterUnavailableError"),
+        "nvml": ("NvmlMeter",),
+        "rapl": ("RaplMeter",),
+        "scale": ("CarbonScale", "ScalePolicy", "scaling_summary"),
+        "shift": ("ShiftPolicy", "TimeShift", "parse_deadline"),
+        "tracker": ("EnergyTracker", "combine"),
+    },
+)

@@ -32,48 +32,10 @@ from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
 from torsh_distributed.compression.spec import parse_spec
 from torsh_distributed.engine._comm import world_or_group
+from torsh_distributed.engine._plan import _ZERO_MP, check_compression
 from torsh_distributed.parallel.sharded import QuantStats, quantize_collectives
 
 __all__ = ["GradCompression", "check_compression"]
-
-
-def check_compression(
-    section: CompressionConfig, *, zero_stage: int, model_parallel: bool = False
-) -> None:
-    """Reject combinations compression cannot honour, naming what works instead.
-
-    Raises:
-        ValueError: at ZeRO stage 1 (ZeroRedundancyOptimizer) any method; at stages 2-3 any
-            method but ``int8`` (FSDP2 reduce-scatters gradients and all-gathers parameters: only
-            the block-quantised collectives apply there), or int8 collectives with tp/pp
-            (``model_parallel``).
-    """
-    if not section.enabled:
-        return
-    stage, method = zero_stage, str(parse_spec(section.method))
-    if stage == 1:
-        raise ValueError(
-            f"--compression {method} applies to DDP (parallel.zero_stage 0) or, as int8 "
-            "quantised collectives, to FSDP2 (zero_stage 2|3); got --zero-stage 1. Use "
-            f"--zero-stage 0 --compression {method}, or --zero-stage 2 --compression int8"
-        )
-    if stage >= 2 and method != "int8":
-        raise ValueError(
-            f"--compression {method} applies to DDP (parallel.zero_stage 0) only; got "
-            f"--zero-stage {stage}, where FSDP2 reduce-scatters gradients and all-gathers "
-            f"parameters. Use --compression int8 with --zero-stage {stage} (block-quantised "
-            f"all-gather and reduce-scatter, ZeRO++'s qwZ/qgZ), or --zero-stage 0 --compression "
-            f"{method}"
-        )
-    if stage >= 2 and model_parallel:
-        raise ValueError(_ZERO_MP)
-
-
-_ZERO_MP = (
-    "--zero-stage 2|3 --compression int8 (quantised FSDP2 collectives) needs tp 1 and pp 1; with "
-    "tensor or pipeline parallelism use --zero-stage 0 --compression int8 (the data-parallel "
-    "exchange of the local shards)"
-)
 
 
 class GradCompression:

@@ -1,9 +1,8 @@
 """Building a run: validate every setting before any collective, then the model and its step.
 
-Everything here runs once per run. :func:`plan_run` is pure (no communication): every rank
-evaluates it on the same inputs, so an invalid set-up raises the same ``ValueError`` on every rank
-before any of them waits on another. :func:`build_model` then builds the model (or its pipeline
-stages) and applies :func:`~torsh_distributed.parallel.parallelize.parallelize`.
+Everything here runs once per run. :func:`~torsh_distributed.engine._plan.plan_run` (re-exported
+here) validates the layout first, on every rank alike; :func:`build_model` then builds the model
+(or its pipeline stages) and applies :func:`~torsh_distributed.parallel.parallelize.parallelize`.
 """
 
 from __future__ import annotations
@@ -18,16 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle
 
-from torsh_distributed.comm.dims import ParallelDims
-from torsh_distributed.engine._compression import check_compression
+from torsh_distributed.engine._plan import RunPlan, plan_run
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.parallel.blocks import find_blocks
 from torsh_distributed.parallel.moe import moe_layers
 from torsh_distributed.parallel.parallelize import (
     check_init_coverage,
-    check_world,
     materialize,
     materialize_first,
     parallelize,
@@ -35,106 +31,14 @@ from torsh_distributed.parallel.parallelize import (
 from torsh_distributed.parallel.pipeline import (
     PipelineRunner,
     build_pipeline,
-    check_pipeline,
     check_split_points,
     stage_ids,
 )
-from torsh_distributed.parallel.tp_plan import TPPlan, resolve_tp_plan
+from torsh_distributed.parallel.tp_plan import resolve_tp_plan
 
 __all__ = ["RunPlan", "BuiltModel", "Prefetch", "plan_run", "build_model", "param_order"]
 
 ModelSource = nn.Module | Callable[[], nn.Module]
-PlanLike = TPPlan | Mapping[str, str | ParallelStyle]
-
-
-@dataclass(kw_only=True, slots=True)
-class RunPlan:
-    """The validated layout of a run (no process groups yet)."""
-
-    dims: ParallelDims
-    """Degrees (unbuilt until :func:`build_model`)."""
-    per_dp: int
-    """Samples per data-parallel rank per step (the batch is split over ``dp * ep`` ranks)."""
-    tp_plan: TPPlan | None
-    """The tensor-parallel plan, normalised (``None`` at tp 1)."""
-
-    @property
-    def model_parallel(self) -> bool:
-        return self.dims.tp > 1 or self.dims.pp > 1
-
-
-def plan_run(
-    config: EngineConfig,
-    *,
-    world_size: int,
-    tp_plan: PlanLike | None,
-    device_type: str = "cpu",
-    nodes: list[int] | None = None,
-) -> RunPlan:
-    """Validate degrees, batch split, pipeline schedule and component combinations.
-
-    Raises:
-        ValueError: naming the setting and what it must be.
-    """
-    par = config.parallel
-    try:
-        dims = ParallelDims(
-            dp=par.dp,
-            tp=par.tp,
-            pp=par.pp,
-            ep=par.ep,
-            world_size=world_size,
-            device_type=device_type,
-            node_assignment=nodes,
-        )
-    except ValueError as exc:
-        raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
-    per_dp = config.check_world(dims.data_degree)  # ep ranks hold different samples
-    check_world(par, dims.data_degree)  # FSDP2 shards dense parameters over dp x ep
-    if dims.ep > 1 and config.compression.enabled:
-        raise ValueError(
-            f"--compression {config.compression.method} with parallel.ep={dims.ep} is not built "
-            "yet; use --compression none with expert parallelism"
-        )
-    # compression x layout, before any rank builds anything (the CLI runs this before launching)
-    check_compression(
-        config.compression, zero_stage=par.zero_stage, model_parallel=dims.tp > 1 or dims.pp > 1
-    )
-    if (dims.tp > 1 or dims.pp > 1) and config.grad_accum > 1:
-        raise ValueError(
-            f"--grad-accum {config.grad_accum} applies to data parallelism; with --tp/--pp "
-            "use --microbatches (pipeline micro-batches) instead"
-        )
-    if dims.pp > 1:
-        check_pipeline(
-            pp=dims.pp,
-            schedule=par.pp_schedule,
-            microbatches=par.num_microbatches,
-            virtual_stages=par.virtual_stages,
-            batch_size=per_dp,
-        )
-    elif par.virtual_stages != 1:
-        raise ValueError(f"parallel.virtual_stages={par.virtual_stages} needs parallel.pp > 1")
-    if par.meta_init and dims.tp > 1 and device_type == "cpu":
-        raise ValueError(
-            "parallel.meta_init with tp > 1 needs DTensor's distributed random numbers, which "
-            "CPU meshes lack (every tensor-parallel shard would get the same draw); build the "
-            "model on the device (no meta_init) or run on CUDA"
-        )
-    plan: TPPlan | None = None
-    if dims.tp > 1:
-        if tp_plan is None:
-            raise ValueError(
-                f"parallel.tp={dims.tp} needs a tensor-parallel plan for this model "
-                "(Engine(tp_plan=...), or --tp-plan MODULE:FUNCTION)"
-            )
-        plan = tp_plan if isinstance(tp_plan, TPPlan) else TPPlan(rules=tp_plan)
-        if plan.loss_parallel and dims.pp > 1:
-            raise ValueError(
-                "a loss-parallel TP plan leaves the logits sharded; with pp > 1 the pipeline's "
-                "last stage needs whole logits: use a plan with loss_parallel=False"
-            )
-    return RunPlan(dims=dims, per_dp=per_dp, tp_plan=plan)
 
 
 def check_model(model: nn.Module, config: EngineConfig, run: RunPlan) -> None:

@@ -9,7 +9,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-__all__ = ["ParallelConfig", "parse_activation_checkpointing", "ZERO_STAGES"]
+__all__ = ["ParallelConfig", "check_world", "parse_activation_checkpointing", "ZERO_STAGES"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 _DTYPES = ("fp32", "bf16", "fp16")
@@ -325,3 +325,17 @@ class ParallelConfig:
     def checkpoint_every(self) -> int:
         """0 = no activation checkpointing, k = every k-th block (1 = all)."""
         return parse_activation_checkpointing(self.activation_checkpointing)
+
+
+def check_world(config: ParallelConfig, dp: int) -> None:
+    """Reject settings that are meaningless with ``dp`` data-parallel ranks.
+
+    Raises:
+        ValueError: a ZeRO stage >= 1 with a single data-parallel rank (nothing to shard across).
+    """
+    if config.zero_stage >= 1 and dp < 2:
+        raise ValueError(
+            f"parallel.zero_stage {config.zero_stage} shards model states across data-parallel "
+            f"ranks, but there is {dp} data-parallel rank; use zero_stage 0 or launch "
+            f"dp >= 2 ranks"
+        )

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.parallel.blocks import block_entries, find_blocks
 from torsh_distributed.parallel.checkpointing import apply_ac
-from torsh_distributed.parallel.config import ParallelConfig
+from torsh_distributed.parallel.config import ParallelConfig, check_world
 from torsh_distributed.parallel.data import DDPOptions, apply_ddp
 from torsh_distributed.parallel.expert import apply_ep, expert_parameters
 from torsh_distributed.parallel.precision import apply_autocast
@@ -59,20 +59,6 @@ __all__ = [
     "check_world",
     "ddp_options",
 ]
-
-
-def check_world(config: ParallelConfig, dp: int) -> None:
-    """Reject settings that are meaningless with ``dp`` data-parallel ranks.
-
-    Raises:
-        ValueError: a ZeRO stage >= 1 with a single data-parallel rank (nothing to shard across).
-    """
-    if config.zero_stage >= 1 and dp < 2:
-        raise ValueError(
-            f"parallel.zero_stage {config.zero_stage} shards model states across data-parallel "
-            f"ranks, but there is {dp} data-parallel rank; use zero_stage 0 or launch "
-            f"dp >= 2 ranks"
-        )
 
 
 def ddp_options(config: ParallelConfig) -> DDPOptions:

@@ -120,6 +120,14 @@ def all_reduce_rank(offset: float) -> dict[str, Any]:
     }
 
 
+def profiler_running() -> bool:
+    """Whether the Dask worker running this rank samples stacks (its ``profile`` callback)."""
+    from distributed import get_worker
+
+    dist.barrier()
+    return bool(get_worker().periodic_callbacks["profile"].is_running())
+
+
 def hang_on_rank_1(hang_s: float, mark: str) -> int:
     """Rank 1 never reaches the collective (a hung rank); rank 0 waits in it, having written
     the wall-clock time it started waiting to ``mark``."""

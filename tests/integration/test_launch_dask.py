@@ -77,6 +77,19 @@ def test_all_reduce_on_two_workers(client: Any) -> None:
     assert all(v == {"RANK": None, "TORSH_TEST_MARK": None} for v in leftover.values()), leftover
 
 
+@pytest.mark.timeout(120)
+def test_ranks_run_with_the_worker_profiler_paused(client: Any) -> None:
+    # The profiler's sys._current_frames() can freeze a CPython 3.11 worker for good while a
+    # rank allocates (a rank stuck mid-forward, its peer waiting out its timeout, the worker
+    # deaf to the launcher's stop): the launcher pauses it for the rank and restores it.
+    assert launch.dask(common.profiler_running, num_workers=2, timeout_s=60, client=client) == [
+        False,
+        False,
+    ]
+    after = client.run(lambda dask_worker: dask_worker.periodic_callbacks["profile"].is_running())
+    assert list(after.values()) == [True, True], after
+
+
 @pytest.mark.timeout(240)
 def test_training_matches_torsh_dist_train(client: Any) -> None:
     reference = common.reference_summary()

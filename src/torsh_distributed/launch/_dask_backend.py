@@ -6,7 +6,9 @@ default group per process). Dask itself would resubmit the task of a dead worker
 leave it waiting for that worker forever; the supervisor instead watches the scheduler's worker
 list and reports the rank whose worker vanished. Ranks still running when the job fails are
 stopped by ending their worker processes, which their nannies replace (a thread blocked in a
-collective cannot be cancelled), so no rank lingers in a worker of a long-lived cluster.
+collective cannot be cancelled), so no rank lingers in a worker of a long-lived cluster. Every
+task of a job runs with the worker's statistical profiler paused (:func:`without_profiler`: on
+CPython 3.11 it can freeze a worker for good).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torsh_distributed.launch import _workers
 from torsh_distributed.launch._workers import JobSpec, Placement, RankOutcome
 from torsh_distributed.runtime.errors import DistributedTimeoutError, ProcessFailureError
 
-__all__ = ["DaskOptions", "import_distributed", "pick_workers", "run"]
+__all__ = ["DaskOptions", "import_distributed", "pick_workers", "run", "without_profiler"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,13 @@ class _Job:
 
     def _submit(self, func: Any, *args: Any, worker: str, key: str) -> Any:
         return self.client.submit(
-            func, *args, workers=[worker], allow_other_workers=False, pure=False, key=key
+            without_profiler,
+            func,
+            *args,
+            workers=[worker],
+            allow_other_workers=False,
+            pure=False,
+            key=key,
         )
 
     def run(self) -> list[Any]:
@@ -268,6 +276,55 @@ class _Job:
         deadline = time.monotonic() + _GONE_WITHIN_S
         while time.monotonic() < deadline and set(doomed) & set(self._workers()):
             time.sleep(0.1)  # the next job must not pick a worker that is about to vanish
+
+
+_PROFILER = ("profile", "profile-cycle")  # the worker's periodic callbacks that sample stacks
+
+
+def without_profiler(func: Callable[..., Any], *args: Any) -> Any:
+    """Run ``func(*args)`` on a Dask worker with the worker's statistical profiler paused.
+
+    Every 10 ms the profiler calls ``sys._current_frames()`` on the worker's event loop. On
+    CPython 3.11 that call can run the garbage collector while holding the runtime's lock, and
+    a finalizer that needs the same lock then freezes the whole process with the GIL held
+    (CPython gh-106883/gh-116969, dask/distributed#8616): seen here as a rank stuck in a
+    forward pass while its peer waited in an all-reduce, a process alive (the peer's dead-peer
+    check cannot fire), still listed by the scheduler, and deaf to the launcher's stop. A rank
+    allocates all the time, which makes it likely. The callbacks are restored afterwards.
+    """
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except (ImportError, ValueError):  # not inside a Dask worker (tests call it directly)
+        return func(*args)
+    callbacks = [worker.periodic_callbacks.get(name) for name in _PROFILER]
+    paused = [pc for pc in callbacks if pc is not None and pc.is_running()]
+    _on_loop(worker, [pc.stop for pc in paused])
+    try:
+        return func(*args)
+    finally:
+        _on_loop(worker, [pc.start for pc in paused])
+
+
+def _on_loop(worker: Any, calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` on the worker's event loop (tornado callbacks are not thread-safe); wait
+    until they ran, up to 5 s."""
+    if not calls:
+        return
+    import threading
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            for call in calls:
+                call()
+        finally:
+            done.set()
+
+    worker.loop.add_callback(run)
+    done.wait(5.0)
 
 
 def pick_workers(workers: dict[str, dict[str, Any]], num: int) -> list[tuple[str, dict[str, Any]]]:

@@ -1,10 +1,12 @@
-"""Real servers for integration tests: throwaway ``redis-server`` processes on 127.0.0.1."""
+"""Real servers for integration tests: throwaway ``redis-server`` processes on 127.0.0.1; the
+tiny checkpoint that the serving tests serve (trained once per session)."""
 
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -105,3 +107,19 @@ def redis_process() -> Iterator[RedisProcess]:
     server = RedisProcess()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def serve_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 20-step ``tiny`` training run's checkpoint directory (its name, ``ckpt``, is the served
+    model's id)."""
+    root = tmp_path_factory.mktemp("serve") / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torsh_distributed.cli.main", "train", "--preset", "tiny",
+         "--max-steps", "20", "--checkpoint-dir", str(root), "--progress", "false"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return str(root)

@@ -61,17 +61,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("serve") / "ckpt"
-    proc = subprocess.run(
-        [*CLI, "train", "--preset", "tiny", "--max-steps", "20", "--checkpoint-dir", str(root),
-         "--progress", "false"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return str(root)
+def checkpoint(serve_checkpoint: str) -> str:
+    return serve_checkpoint  # trained once per session (conftest), shared with test_serve_tls
 
 
 @pytest.fixture(scope="module")
@@ -455,7 +446,7 @@ def test_config_refuses_a_public_address_without_a_token_and_weak_tokens():
     with pytest.raises(ValueError, match="server.scheduler must be one of continuous, static"):
         ServerConfig(scheduler="dynamic")  # type: ignore[arg-type]
     ServerConfig(host="::1")  # loopback: no token needed
-    assert TOKEN not in repr(ServerConfig(host="0.0.0.0", token=TOKEN))
+    assert TOKEN not in repr(ServerConfig(host="0.0.0.0", token=TOKEN, insecure=True))
 
 
 class Poisoned(nn.Module):

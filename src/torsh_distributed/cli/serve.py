@@ -34,9 +34,15 @@ examples:
   export TORSH_SERVE_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')
   torsh-dist serve --checkpoint runs/ckpt --host 0.0.0.0 --port 8000 --token-env TORSH_SERVE_TOKEN
   curl -s -H "Authorization: Bearer $TORSH_SERVE_TOKEN" HOST:8000/metrics
+  # the same over HTTPS (a token over plain HTTP off loopback needs --insecure)
+  torsh-dist serve --checkpoint runs/ckpt --host 0.0.0.0 --port 8443 --token-env TORSH_SERVE_TOKEN \\
+      --tls-cert server.pem --tls-key server.key
+  curl -s --cacert ca.pem -H "Authorization: Bearer $TORSH_SERVE_TOKEN" https://HOST:8443/v1/models
+  # OpenAI(base_url="https://HOST:8443/v1", api_key=TOKEN, http_client=openai.DefaultHttpxClient(
+  #     verify=ssl.create_default_context(cafile="ca.pem")))
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics (Prometheus text). See docs/inference.md.
+GET /metrics (Prometheus text). See docs/inference.md and docs/security.md.
 """
 
 _DTYPES = ("float32", "bfloat16", "float64")
@@ -47,6 +53,9 @@ _FORWARDED = (
     "port",
     "token_env",
     "token_file",
+    "tls_cert",
+    "tls_key",
+    "insecure",
     "model_name",
     "scheduler",
     "max_batch_size",
@@ -80,7 +89,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host",
         default="127.0.0.1",
-        help="bind address; any non-loopback address needs a token. Default: 127.0.0.1",
+        help="bind address; any non-loopback address needs a token, and TLS (--tls-cert, "
+        "--tls-key) or --insecure. Default: 127.0.0.1",
     )
     parser.add_argument(
         "--port",
@@ -100,6 +110,23 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-file",
         metavar="FILE",
         help="same, the token read from the first line of FILE (chmod 600)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve HTTPS with this PEM certificate (chain); clients verify it against the CA "
+        "that signed it. Needs --tls-key",
+    )
+    parser.add_argument(
+        "--tls-key",
+        metavar="FILE",
+        help="the certificate's PEM private key, unencrypted (chmod 600)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a token over plain HTTP on a non-loopback --host (refused otherwise): only "
+        "behind a TLS-terminating proxy or on a network you trust",
     )
     parser.add_argument(
         "--model-name",
@@ -193,6 +220,9 @@ def _config(args: argparse.Namespace) -> Any:
         host=args.host,
         port=args.port,
         token=read_token(env=args.token_env, file=args.token_file),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        insecure=args.insecure,
         model_name=name,
         scheduler=args.scheduler,
         max_batch_size=args.max_batch_size,
@@ -260,7 +290,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             'or server-sent events with "stream": true), GET /health, GET /metrics. Requests '
             "join and leave the running batch between decoding steps (continuous batching). "
             "Binds 127.0.0.1 unless --host says otherwise; a non-loopback address requires a "
-            "token. Stops cleanly on SIGTERM or Ctrl-C."
+            "token, and HTTPS (--tls-cert/--tls-key) unless --insecure is given. Stops cleanly "
+            "on SIGTERM or Ctrl-C."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -188,7 +188,8 @@ def _serve(
         announce(
             f"torsh-dist serve: listening on {server.url} (checkpoint {model_info['checkpoint']}, "
             f"step {model_info['step']}, tp {tp}, max batch {config.max_batch_size}, "
-            f"{'token required' if config.token else 'no token'})"
+            f"{'token required' if config.token else 'no token'}, "
+            f"{'TLS' if config.tls_cert else 'plain HTTP'})"
         )
         sys.stdout.flush()
         got = _until_signal(lambda: server.healthy)

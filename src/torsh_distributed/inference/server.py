@@ -34,13 +34,13 @@ process group's timeout, and a ``stop`` message when it closes.
 (:class:`ServerConfig` refuses to start without one); with a token every route but ``/health``
 needs ``Authorization: Bearer <token>`` (compared in constant time), and ``/health`` tells an
 unauthorised caller only whether the server is up. Request bodies are size-limited and parsed as
-JSON by pydantic models; nothing a client sends is unpickled or evaluated. There is no TLS: put a
-TLS-terminating proxy in front of a server reachable beyond the host.
+JSON by pydantic models; nothing a client sends is unpickled or evaluated. With ``tls_cert`` and
+``tls_key`` uvicorn serves HTTPS; off loopback plain HTTP is refused unless ``insecure`` is set
+(e.g. behind a TLS-terminating proxy). See docs/security.md.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import sys
 import threading
@@ -48,13 +48,13 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed as dist
 
 from torsh_distributed.inference import _openai as oa
 from torsh_distributed.inference._continuous import ContinuousBatcher, Join, continuous_max_len
+from torsh_distributed.inference._server_config import MIN_TOKEN_LENGTH, ServerConfig, is_loopback
 from torsh_distributed.inference._serving import (
     BatchQueue,
     Pending,
@@ -70,123 +70,10 @@ from torsh_distributed.inference.sampling import SamplingConfig
 
 __all__ = ["ServerConfig", "InferenceServer", "follow", "is_loopback", "MIN_TOKEN_LENGTH"]
 
-MIN_TOKEN_LENGTH = 16
 HEARTBEAT_S = 5.0
 """Seconds between the idle messages rank 0 sends the other tensor-parallel ranks."""
 BACKLOG = 1024
 """Connections the kernel queues before the server accepts them."""
-SCHEDULERS = ("continuous", "static")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback interface only."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _positive(name: str, value: object, *, kind: type = int, zero: bool = False) -> None:
-    ok = isinstance(value, kind) if kind is int else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or value < 0 or (value == 0 and not zero):  # type: ignore[operator]
-        bound = ">= 0" if zero else "> 0"
-        raise ValueError(
-            f"server.{name} must be {'an int' if kind is int else 'a number'} "
-            f"{bound}, got {value!r}"
-        )
-
-
-@dataclass(kw_only=True, slots=True)
-class ServerConfig:
-    """Where the server listens, who may call it, and how it batches."""
-
-    host: str = "127.0.0.1"
-    """Bind address. Loopback by default; any other address (``0.0.0.0``, a LAN address)
-    requires :attr:`token`, since then other machines can send requests."""
-    port: int = 0
-    """TCP port; 0 = a free port chosen by the OS (see :attr:`InferenceServer.port`)."""
-    token: str | None = field(default=None, repr=False)
-    """Shared secret: every request but ``/health`` must send ``Authorization: Bearer
-    <token>``. At least 16 characters (``python -c 'import secrets;
-    print(secrets.token_urlsafe(32))'``). ``None`` = no authentication (loopback only)."""
-    model_name: str = "torsh-gpt"
-    """The model's id in ``GET /v1/models`` and in answers; a request naming another is 404."""
-    scheduler: Literal["continuous", "static"] = "continuous"
-    """``continuous``: rows join and leave the running batch between decoding steps;
-    ``static``: a batch runs until its longest row ends (see the module doc)."""
-    max_batch_size: int = 8
-    """Rows (choices) decoded together at most. Larger batches raise throughput (each step's
-    weight reads are shared) at the cost of KV-cache memory (continuous batching reserves
-    ``max_batch_size x context`` slots per layer) and of each step's time."""
-    max_batch_tokens: int = 2048
-    """Continuous batching: tokens one step may feed (one per running row plus the prompts of
-    the rows joining). Lower bounds the delay a long prompt joining adds to the running rows'
-    next token; higher lets more rows join at once. A lone row always fits."""
-    batch_wait_ms: float = 5.0
-    """Static batching: after a request arrives, how long the worker waits for others to join
-    its batch: higher batches more under light load at the cost of that much added latency;
-    0 = take what is queued."""
-    max_new_tokens_limit: int = 256
-    """The largest ``max_tokens`` a request may ask for (400 above it)."""
-    max_total_tokens: int | None = None
-    """Prompt plus ``max_tokens`` at most (400 above it); ``None`` = no limit beyond the
-    model's context, where generation stops with ``finish_reason == "length"``."""
-    max_body_bytes: int = 1 << 20
-    """Largest request body accepted (413 above it)."""
-    max_queued_requests: int = 256
-    """Rows (choices) waiting at most; more are refused with 503 rather than queued without
-    bound. Also the most choices one request may ask for (prompts x ``n``)."""
-    request_timeout_s: float = 600.0
-    """A request not answered within this many seconds gets 504."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host.strip():
-            raise ValueError(f"server.host must be a host name or address, got {self.host!r}")
-        if (
-            isinstance(self.port, bool)
-            or not isinstance(self.port, int)
-            or not 0 <= self.port <= 65535
-        ):
-            raise ValueError(f"server.port must be an int in [0, 65535], got {self.port!r}")
-        if self.token is not None:
-            if not isinstance(self.token, str) or len(self.token) < MIN_TOKEN_LENGTH:
-                raise ValueError(
-                    f"server.token must be a string of at least {MIN_TOKEN_LENGTH} characters "
-                    "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
-                )
-            if any(c.isspace() or not c.isprintable() for c in self.token):
-                raise ValueError("server.token must not contain whitespace or control characters")
-        elif not is_loopback(self.host):
-            raise ValueError(
-                f"server.host {self.host!r} is not a loopback address: other machines could send "
-                "requests, so a token is required (--token-env VAR or --token-file FILE); bind "
-                "127.0.0.1 to serve this machine only"
-            )
-        if not isinstance(self.model_name, str) or not self.model_name.strip():
-            raise ValueError(
-                f"server.model_name must be a non-empty string, got {self.model_name!r}"
-            )
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(
-                f"server.scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
-            )
-        for name in (
-            "max_batch_size",
-            "max_batch_tokens",
-            "max_new_tokens_limit",
-            "max_body_bytes",
-            "max_queued_requests",
-        ):
-            _positive(name, getattr(self, name))
-        if self.max_total_tokens is not None:
-            _positive("max_total_tokens", self.max_total_tokens)
-        _positive("batch_wait_ms", self.batch_wait_ms, kind=float, zero=True)
-        _positive("request_timeout_s", self.request_timeout_s, kind=float)
-
-
 def _prompt_len(pending: Pending) -> int:
     return len(pending.prompt_tokens)
 
@@ -289,6 +176,8 @@ class InferenceServer:
                 timeout_keep_alive=5,
                 timeout_graceful_shutdown=5,
                 backlog=BACKLOG,
+                ssl_certfile=config.tls_cert,
+                ssl_keyfile=config.tls_key,
             )
         )
         self._worker = threading.Thread(target=self._work, name="torsh-serve-model", daemon=True)
@@ -312,7 +201,8 @@ class InferenceServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in str(self.host) else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     @property
     def model_name(self) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 import socket
+import ssl
 import threading
+from typing import Any
 
 import pytest
 
@@ -90,3 +92,79 @@ def test_exposed_federation_and_remote_join_need_a_token(tmp_path) -> None:  # t
         join("10.1.2.3", partition_id=0, num_partitions=2, token="x" * 20)
     with pytest.raises(ValueError, match="at least 16"):
         Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", 1), token=b"short")
+
+
+def _exchange(port: int, payload: bytes) -> bytes:
+    """Send ``payload`` and read as many bytes back without half-closing (a TLS stream cannot);
+    b"" when the relay drops the connection."""
+    chunks: list[bytes] = []
+    got = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        try:
+            sock.sendall(payload)
+            while got < len(payload) and (data := sock.recv(65536)):
+                chunks.append(data)
+                got += len(data)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE):
+                raise
+    return b"".join(chunks)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from torsh_distributed.runtime.tls import issue, make_ca
+
+    root = tmp_path_factory.mktemp("pki")
+    ca = make_ca(root / "ca")
+    other = make_ca(root / "other", name="another CA")
+    return {
+        "ca": ca.cert, "other_ca": other.cert,
+        "head": issue(ca, root, name="head", hosts=["127.0.0.1"]),
+        "node": issue(ca, root, name="node-0"),
+        "stranger": issue(other, root, name="stranger"),
+    }  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_over_tls_only_nodes_with_a_certificate_of_the_ca_get_through(echo: int, pki: dict[str, Any]) -> None:
+    from torsh_distributed.runtime.tls import client_context, server_context
+
+    head_lines: list[str] = []
+    head = Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", echo), token=TOKEN,
+                 tls=server_context(*pki["head"], ca=pki["ca"]), report=head_lines.append).start()  # fmt: skip
+    target = ("127.0.0.1", head.port)
+    started = []
+
+    def node(ctx: ssl.SSLContext) -> tuple[Relay, list[str]]:
+        lines: list[str] = []
+        relay = Relay(role="client", listen=("127.0.0.1", 0), target=target, token=TOKEN, tls=ctx,
+                      report=lines.append).start()  # fmt: skip
+        started.append(relay)
+        return relay, lines
+
+    try:
+        good, _ = node(client_context(pki["ca"], cert=pki["node"][0], key=pki["node"][1]))
+        payload = b"model weights \x00\x01" * 5000
+        assert _exchange(good.port, payload) == payload
+        # a node trusting another CA refuses the head, in one line naming the cause
+        wrong_ca, lines = node(client_context(pki["other_ca"], cert=pki["node"][0], key=pki["node"][1]))
+        assert _exchange(wrong_ca.port, b"update") == b""
+        assert _exchange(wrong_ca.port, b"update") == b""
+        assert lines == [f"federation relay: cannot join 127.0.0.1:{head.port} over TLS (self-signed "
+                         "certificate in certificate chain): is --tls-ca the federation's CA?"]
+        # nodes without a certificate, or with one of another CA, are refused by the head
+        for cert in (None, pki["stranger"]):
+            ctx = client_context(pki["ca"], cert=cert[0] if cert else None, key=cert[1] if cert else None)
+            stranger, _ = node(ctx)
+            assert _exchange(stranger.port, b"let me in") == b""
+        assert head.tls_refused >= 2 and head.refused == 0
+        assert head_lines and all(line.startswith("federation relay: refused a node: TLS handshake failed")
+                                  for line in head_lines), head_lines
+        # a plain-TCP client relay gets nothing either
+        plain, _ = node(None)  # type: ignore[arg-type]
+        assert _exchange(plain.port, b"hello") == b""
+        assert _exchange(good.port, b"still fine") == b"still fine"
+    finally:
+        for relay in (*started, head):
+            relay.stop()

@@ -7,8 +7,15 @@ therefore never exposes that port: the SuperLink listens on 127.0.0.1 of the hea
 ``client`` role listens on 127.0.0.1 for the SuperNode and forwards to the head. Every connection
 starts with a mutual challenge-response on the shared token (HMAC-SHA256 of a fresh random nonce
 each way, compared in constant time, 5 s to answer); a peer without the token is disconnected
-before a single byte reaches Flower. The bytes after the handshake are not encrypted: run it on a
-network you trust, or under a VPN/SSH tunnel when the traffic itself must stay private.
+before a single byte reaches Flower.
+
+Without TLS the bytes after the handshake are not encrypted: run it on a network you trust, or
+under a VPN/SSH tunnel. With ``tls`` contexts (:mod:`torsh_distributed.runtime.tls`) the relays
+speak TLS to each other: the client relay verifies the head's certificate against the CA (and the
+head's address against its names), the head requires a client certificate signed by that CA
+(mutual TLS: a node without one is refused during the handshake, before the token is even asked
+for), and the token handshake and everything after it are encrypted. Failures are counted and the
+first of each kind is reported in one line (``report``). See docs/security.md.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ import asyncio
 import hashlib
 import hmac
 import os
+import ssl
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Relay"]
@@ -32,13 +42,16 @@ def _mac(token: bytes, nonce: bytes, who: bytes) -> bytes:
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy until EOF, then half-close (the other direction may still be answering)."""
+    """Copy until EOF, then half-close (the other direction may still be answering); a TLS
+    stream cannot half-close, so it closes (HTTP/2 and gRPC never half-close a live stream)."""
     try:
         while data := await reader.read(_CHUNK):
             writer.write(data)
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
+        else:
+            writer.close()
     except (ConnectionError, OSError):
         writer.close()
 
@@ -53,15 +66,24 @@ class Relay:
         listen: (host, port) to listen on; port 0 = a free one (see :attr:`port` after start).
         target: (host, port) to forward to.
         token: The shared secret (at least 16 bytes).
+        tls: TLS context: a server context (with a CA: client certificates required) for the
+            ``server`` role, a client context (CA to trust, this node's certificate) for the
+            ``client`` role; ``None`` = plain TCP.
+        report: Receives one line per kind of TLS failure (default: stderr).
     """
 
     role: str
     listen: tuple[str, int]
     target: tuple[str, int]
     token: bytes
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
+    report: Callable[[str], None] | None = field(default=None, repr=False)
     port: int = 0
     refused: int = 0
     """Connections dropped for a wrong or missing token (server role)."""
+    tls_refused: int = 0
+    """Connections whose TLS handshake failed: no or a wrong certificate, a wrong CA."""
+    _reported: set[str] = field(default_factory=set, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
     _server: asyncio.base_events.Server | None = field(default=None, repr=False)
@@ -72,12 +94,28 @@ class Relay:
         if len(self.token) < 16:
             raise ValueError("the federation token must be at least 16 characters")
 
+    def _tls_failure(self, exc: BaseException) -> None:
+        self.tls_refused += 1
+        reason = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or str(exc)
+        if self.role == "server":
+            line = f"federation relay: refused a node: TLS handshake failed ({reason}); nodes need a certificate signed by the federation's CA"
+        else:
+            head = f"{self.target[0]}:{self.target[1]}"
+            line = f"federation relay: cannot join {head} over TLS ({reason}): is --tls-ca the federation's CA?"
+        if line not in self._reported:
+            self._reported.add(line)
+            (self.report or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             if self.role == "server":
                 up_reader, up_writer = await self._accept_peer(reader, writer)
             else:
                 up_reader, up_writer = await self._join_head()
+        except ssl.SSLError as exc:
+            self._tls_failure(exc)
+            writer.close()
+            return
         except (ConnectionError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, PermissionError):
             writer.close()
             return
@@ -88,6 +126,8 @@ class Relay:
     async def _accept_peer(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.tls is not None:  # here, not in start_server: a failed handshake is then ours to report
+            await writer.start_tls(self.tls, ssl_handshake_timeout=_HANDSHAKE_S)
         nonce = os.urandom(_NONCE)
         writer.write(nonce)
         await writer.drain()
@@ -100,7 +140,8 @@ class Relay:
         return await asyncio.open_connection(*self.target)
 
     async def _join_head(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.target), _HANDSHAKE_S)
+        tls = {"ssl": self.tls, "server_hostname": self.target[0]} if self.tls is not None else {}
+        up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.target, **tls), _HANDSHAKE_S)
         nonce = await asyncio.wait_for(up_reader.readexactly(_NONCE), _HANDSHAKE_S)
         mine = os.urandom(_NONCE)
         up_writer.write(_mac(self.token, nonce, b"node") + mine)

@@ -2,20 +2,29 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+CORE_STAMP := $(VENV)/.core-stamp
 STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test install system-deps lint clean gpu-check gpu-wheels
+.PHONY: demo test install install-core system-deps lint clean gpu-check gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# What `make demo` needs: torch and the package with its required dependencies, no extras.
 # torch is pinned here (the machine's CPU build); the package itself requires torch>=2.4.
-$(STAMP): $(PY) pyproject.toml
+$(CORE_STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e .
+	touch $(CORE_STAMP)
+
+# Everything the test suite touches: every extra (Ray, Dask, Flower, Opacus, FastAPI, ...).
+$(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot,ray,dask,energy,federated,serve]"
 	touch $(STAMP)
+
+install-core: $(CORE_STAMP)
 
 install: $(STAMP)
 
@@ -29,7 +38,7 @@ system-deps:
 # rerun trains afresh into the same directory), then continue a prompt with the checkpoint it saved.
 # The demo preset and the sampling flags were chosen by measurement: benchmarks/bench_demo.py,
 # docs/benchmarks.md ("The demo: which model a minute buys").
-demo: install
+demo: install-core
 	$(VENV)/bin/torsh-dist train --nproc-per-node 2 --preset demo --checkpoint-dir runs/demo \
 		--resume never
 	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n    ' \

@@ -1,0 +1,139 @@
+"""Start-up of ``torsh-dist``: help, a refusal, and launch to the first training step, before vs
+after a change, side by side in one invocation.
+
+Each variant is a source tree of the package: ``after`` is the installed one, ``before`` (with
+``--before DIR``) the ``src`` of an older commit, put first on ``PYTHONPATH`` (the launched ranks
+inherit it), for example::
+
+    mkdir -p /tmp/before && git archive 62b532d src | tar -x -C /tmp/before
+    .venv/bin/python benchmarks/bench_startup.py --before /tmp/before --rounds 10 --train-rounds 3
+    .venv/bin/python benchmarks/bench_startup.py --before /tmp/before --burners 2   # beside 2 busy loops
+
+Measured per round, the variants taking turns (before, after, then after, before in the next
+round, so neither always runs on a warmer cache):
+
+* the wall time of ``torsh-dist --help``, ``torsh-dist train --help`` and the refusal
+  ``torsh-dist train --nproc-per-node 0`` (the console script, as a user types it);
+* launch to the first training step of ``torsh-dist train --nproc-per-node 2 --preset tiny
+  --max-steps 5``: ``time.time()`` just before the launch to the trainer's ``first_step_unix_s``
+  (``--summary-json``; the end of step 1 on rank 0), and the whole command's wall time.
+
+``--burners K`` keeps K ``python -c 'while 1: pass'`` processes running throughout (a CPU-heavy
+neighbour). The 1-minute load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TORSH_DIST = str(Path(sys.executable).with_name("torsh-dist"))
+CLI_CASES: dict[str, list[str]] = {
+    "torsh-dist --help": ["--help"],
+    "torsh-dist train --help": ["train", "--help"],
+    "torsh-dist train --nproc-per-node 0": ["train", "--nproc-per-node", "0"],
+}
+TRAIN = ["train", "--nproc-per-node", "2", "--preset", "tiny", "--max-steps", "5"]
+_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+         "MASTER_PORT", "TORCHELASTIC_ERROR_FILE")
+
+
+def _env(src: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def time_cli(argv: list[str], env: dict[str, str]) -> float:
+    """Wall time of one ``torsh-dist ARGV`` (exit 0 for help, 2 for the refusal)."""
+    start = time.perf_counter()
+    done = subprocess.run([TORSH_DIST, *argv], env=env, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - start
+    if done.returncode not in (0, 2) or (done.returncode == 2) != ("--help" not in argv):
+        raise RuntimeError(f"torsh-dist {' '.join(argv)}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    return wall
+
+
+def time_train(env: dict[str, str], workdir: Path) -> tuple[float, float]:
+    """(launch to the end of the first step, the whole command) in seconds."""
+    summary = workdir / "summary.json"
+    summary.unlink(missing_ok=True)
+    start = time.time()
+    done = subprocess.run([TORSH_DIST, *TRAIN, "--summary-json", str(summary)], env=env,
+                          cwd=workdir, capture_output=True, text=True, timeout=900)
+    wall = time.time() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"torsh-dist train failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return json.loads(summary.read_text())["first_step_unix_s"] - start, wall
+
+
+def _row(name: str, times: dict[str, list[float]]) -> str:
+    cells = []
+    for variant, values in times.items():
+        cells.append(f"{statistics.median(values):.2f} (min {min(values):.2f})")
+        if variant == "after" and "before" in times:
+            ratio = statistics.median(times["before"]) / statistics.median(values)
+            cells.append(f"{ratio:.1f}x")
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", metavar="DIR", help="a tree holding the older src/ to compare")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds of the help/refusal runs")
+    parser.add_argument("--train-rounds", type=int, default=3, help="rounds of the 2-rank run (0: skip)")
+    parser.add_argument("--burners", type=int, default=0, help="busy-loop processes beside the runs")
+    args = parser.parse_args()
+    variants = {"after": _env(None)}
+    if args.before:
+        variants = {"before": _env(str(Path(args.before, "src").resolve())), **variants}
+    burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.burners)]
+    try:
+        time.sleep(1.0 if burners else 0.0)
+        print(f"load before: {_load()} ({args.burners} burners, {os.cpu_count()} CPUs)", flush=True)
+        cli: dict[str, dict[str, list[float]]] = {name: {v: [] for v in variants} for name in CLI_CASES}
+        order = list(variants)
+        for r in range(args.rounds):
+            for variant in order if r % 2 == 0 else order[::-1]:
+                for name, argv in CLI_CASES.items():
+                    cli[name][variant].append(time_cli(argv, variants[variant]))
+        first: dict[str, list[float]] = {v: [] for v in variants}
+        whole: dict[str, list[float]] = {v: [] for v in variants}
+        with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+            for r in range(args.train_rounds):
+                for variant in order if r % 2 == 0 else order[::-1]:
+                    to_first, wall = time_train(variants[variant], Path(tmp))
+                    first[variant].append(to_first)
+                    whole[variant].append(wall)
+                    print(f"round {r + 1} {variant}: first step {to_first:.2f} s, whole {wall:.2f} s "
+                          f"(load {_load()})", flush=True)
+        print(f"load after: {_load()}")
+    finally:
+        for proc in burners:
+            proc.kill()
+            proc.wait()
+    head = " | ".join(f"{v} median s" + (" | after vs before" if v == "after" and args.before else "")
+                      for v in variants)
+    print(f"\n| command | {head} |\n|---|" + "---|" * (len(variants) + (1 if args.before else 0)))
+    for name in CLI_CASES:
+        print(_row(f"`{name}`", cli[name]))
+    if args.train_rounds:
+        print(_row("`torsh-dist train --nproc-per-node 2 --preset tiny --max-steps 5`: launch to first step", first))
+        print(_row("the same: whole command", whole))
+    print("\nruns (s):", json.dumps({"cli": cli, "first_step": first, "whole": whole}))
+
+
+if __name__ == "__main__":
+    main()

@@ -45,9 +45,10 @@ from torsh_distributed.runtime.errors import DistributedTimeoutError, FeatureNot
 __all__ = ["BACKEND_NAME", "ShmProcessGroup", "create", "node_key", "set_lenient"]
 
 BACKEND_NAME = "gloo+shm"
-DEFAULT_SLOT_BYTES = 8 << 20
-"""Slot size unless ``TORSH_SHM_SLOT_BYTES`` says otherwise: chunks of up to a third of it keep
-a 32 MB all-reduce to a dozen phases, which a busy host needs (docs/shm.md); a group's segment
+DEFAULT_SLOT_BYTES = 1 << 20
+"""Slot size unless ``TORSH_SHM_SLOT_BYTES`` says otherwise (the C kernels' chunks: 256 KiB, in a
+third of it). Larger slots with fewer, larger chunks were measured and lost, quiet and beside
+CPU-burning neighbours alike, once waits stopped yielding (docs/benchmarks.md). A group's segment
 takes at most a quarter of the free ``/dev/shm`` (the slot shrinks to fit, to 1 MiB at least)."""
 MIN_FITTED_SLOT_BYTES = 1 << 20
 log = logging.getLogger(__name__)

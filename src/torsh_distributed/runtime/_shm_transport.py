@@ -56,7 +56,7 @@ DTYPES = (
 )
 _ALIGN = 64  # bytes: parts start on cache lines
 DEFAULT_CHUNK_BYTES = 256 << 10  # native all-reduce: stays in the caches between ranks
-DEFAULT_MAX_PHASES = 8  # larger tensors take larger chunks (up to a third of a slot)
+DEFAULT_MAX_PHASES = 8  # larger tensors take larger chunks, up to a third of a slot (341 KiB)
 _FOLD: dict[str, Callable[..., torch.Tensor]] = {
     "sum": torch.add,
     "avg": torch.add,

@@ -12,12 +12,12 @@ stores from Python (its memory model is TSO: stores are not reordered with store
 loads, and a Python-level call boundary stops the compiler reordering); other architectures
 then refuse the backend.
 
-Waiting spins briefly (1024 polls), then sleeps in the kernel (a futex on the laggard's flag,
-which its owner's store wakes when someone sleeps on it): ranks often outnumber cores on a
-shared CPU host, and a polling waiter takes the cycles of the rank it waits for. There is no
-``sched_yield`` phase: beside CPU-bound neighbours a yield gives the core to one of them for a
-whole time slice (measured in docs/benchmarks.md). ``TORSH_SHM_CFLAGS`` (e.g.
-``-DTORSH_SPINS=64``) rebuilds the helper with other settings, for such measurements.
+Waiting polls the flags 8192 times (tens of microseconds), then sleeps in the kernel (a futex
+on the laggard's flag, which its owner's store wakes when someone sleeps on it): ranks often
+outnumber cores on a shared CPU host, and a polling waiter takes the cycles of the rank it waits
+for. There is no ``sched_yield`` phase: beside CPU-bound neighbours a yield gives the core to one
+of them for a whole time slice (measured in docs/benchmarks.md). ``TORSH_SHM_CFLAGS`` (e.g.
+``-DTORSH_SPINS=1024``) rebuilds the helper with other settings, for such measurements.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ _SOURCE = r"""
    waiter whose peer had long arrived woke milliseconds late (32 MB all-reduce beside one burner
    per core: 0.7x Gloo with 448 yields, 2.9x without; docs/benchmarks.md). */
 #ifndef TORSH_SPINS
-#define TORSH_SPINS 1024
+#define TORSH_SPINS 8192
 #endif
 
 /* The futex word is the low half of a flag (the counter's low 32 bits change every phase). */

@@ -23,19 +23,19 @@ def _recorder() -> tuple[list[tuple[int, bool]], Prefetch, Prefetch]:
 def test_cuda_prefetches_the_next_step_once_and_never_past_the_end():
     calls, cuda, _ = _recorder()
     assert cuda.take(0) == (0, False)  # nothing held for the first step
-    cuda.ahead(1)
+    assert cuda.ahead(1) is True
     assert cuda.take(1) == (1, True)  # the prefetched batch, copied without blocking
     assert cuda.take(1) == (1, False)  # handed over once: a second take fetches again
     cuda.ahead(2)
     assert cuda.take(0) == (0, False)  # another step (a resume): fetched anew, the held dropped
     assert cuda.take(2) == (2, False)
-    cuda.ahead(3)  # past max_steps: nothing fetched
+    assert cuda.ahead(3) is False  # past max_steps: nothing fetched
     assert calls == [(0, False), (1, True), (1, False), (2, True), (0, False), (2, False)]
 
 
 def test_cpu_never_fetches_ahead():
     calls, _, cpu = _recorder()
-    cpu.ahead(1)
+    assert cpu.ahead(1) is False  # the monitor then records no extra data phase
     assert calls == []
     assert cpu.take(1) == (1, False)
 

@@ -391,8 +391,8 @@ class Run:
             self.scheduler.step()
         self.moe.after_step(monitor, step + 1)  # bias balancing, load statistics, rebalancing
         monitor.phase("optimizer")
-        self.prefetch.ahead(step + 1)  # CUDA: while the queued kernels run (see S.Prefetch)
-        monitor.phase("data")
+        if self.prefetch.ahead(step + 1):  # CUDA: while the queued kernels run (S.Prefetch)
+            monitor.phase("data")
         self.memory.after_step(
             self.built.holder, optimizer, main=self.runtime.is_main, write=self.write
         )

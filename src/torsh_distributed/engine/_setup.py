@@ -275,6 +275,9 @@ class Prefetch:
             return held[1]
         return self._fetch(step, False)
 
-    def ahead(self, step: int) -> None:
+    def ahead(self, step: int) -> bool:
+        """Fetch ``step``'s batch now (CUDA, before ``max_steps``); whether anything was done."""
         if self._on and step < self._max_steps:
             self._held = (step, self._fetch(step, True))
+            return True
+        return False

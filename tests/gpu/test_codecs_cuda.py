@@ -103,7 +103,7 @@ def _ddp_hooks(method: str, device: str) -> list[float]:
     model = TinyLM(d_model=64).to(dev)
     ddp = apply_ddp(model)
     hook = register_compression(ddp, method)
-    assert hook is not None
+    assert hook is not None  # can fail: register_compression returns None for one rank
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = token_data(n=64)
     rank = dist.get_rank()

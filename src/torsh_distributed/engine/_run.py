@@ -504,9 +504,7 @@ class Run:
         batch splits over the ``dp x ep`` ranks)."""
         dims = self.dims
         indices = shard(sampler.indices(step), rank=dims.data_rank(), num_ranks=dims.data_degree)
-        x, y = self._fetch(dataset, indices)
-        return (S.to_device(x, self.device, non_blocking=non_blocking),
-                S.to_device(y, self.device, non_blocking=non_blocking))
+        return S.to_device(self._fetch(dataset, indices), self.device, non_blocking=non_blocking)
 
     def _fetch(self, dataset: Any, indices: Iterable[int] | torch.Tensor) -> Any:
         batch = fetch(dataset, indices, collate=self.engine.collate_fn)

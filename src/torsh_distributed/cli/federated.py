@@ -110,6 +110,22 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
     return FederatedConfig.from_dict(data)
 
 
+def resolved_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``--print-config``: the command line's settings with every field of the resolved
+    :class:`FederatedConfig` (defaults included)."""
+    from torsh_distributed.cli._config_file import settings_of
+
+    config = config_from_args(args)
+    names = {f.name for f in dataclasses.fields(FederatedConfig)}
+    shown = {k: v for k, v in settings_of(args).items()
+             if k.partition(".")[0] not in ("client", "task", "privacy") and k not in names}
+    for section, cls in _sections():
+        owner = getattr(config, section) if section else config
+        for f in _scalar_fields(cls):
+            shown[f"{section}.{f.name}" if section else f.name] = getattr(owner, f.name)
+    return shown
+
+
 def _absolute(spec: str) -> str:
     """``file.py:fn`` with the file made absolute: clients run in other directories."""
     module, sep, attr = spec.rpartition(":")
@@ -145,6 +161,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     out.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                      help="stop the whole run after this many seconds (default 3600)")
     _add_token_flags(out)
+    from torsh_distributed.cli._config_file import add_config_file_arguments
+
+    add_config_file_arguments(parser, resolver=resolved_settings)
     parser.set_defaults(handler=main)
 
     node = sub.add_parser(
@@ -158,6 +177,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node.add_argument("--host", default="127.0.0.1", help="address of this node's ClientApp API")
     node.add_argument("--port", type=int, default=0, help="its port (0 = a free one)")
     _add_token_flags(node)
+    add_config_file_arguments(node)
     node.set_defaults(handler=node_main)
 
 

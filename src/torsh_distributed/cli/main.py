@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from torsh_distributed import __version__
+from torsh_distributed.cli._config_file import apply_config_file, print_config
 from torsh_distributed.runtime.errors import TorshDistributedError
 
 _COMMANDS = {
@@ -54,8 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in _COMMANDS else None)
+    if command in _COMMANDS:
+        try:
+            apply_config_file(parser, argv, command)  # --config FILE: the file's settings as defaults
+        except ValueError as exc:
+            print(f"torsh-dist {command}: error: {exc}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "print_config", False):
+            return print_config(args)
         return int(args.handler(args) or 0)
     except (ValueError, TypeError, FileNotFoundError, TorshDistributedError) as exc:
         print(f"torsh-dist {args.command}: error: {exc}", file=sys.stderr)

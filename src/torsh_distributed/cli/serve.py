@@ -297,6 +297,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(parser)
+    from torsh_distributed.cli._config_file import add_config_file_arguments
+
+    add_config_file_arguments(parser)
     parser.set_defaults(handler=_handle)
 
 

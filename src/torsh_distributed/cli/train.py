@@ -64,6 +64,9 @@ examples:
       --checkpoint.dir runs/b/ckpt --summary-json runs/b/summary.json
   # parameter server: rank 0 serves, ranks 1-2 train with bounded staleness 2
   torsh-dist train --nproc-per-node 3 --ps-servers 1 --staleness 2 --max-steps 50
+  # settings in a TOML file (flags override it); --print-config writes the resolved file
+  torsh-dist train --nproc-per-node 2 --max-steps 50 --lr 1e-3 --print-config > run.toml
+  torsh-dist train --config run.toml --max-steps 100
 """
 
 
@@ -452,7 +455,10 @@ def _launch_scaled(config: TrainConfig, user: UserFactories | None, options: Any
     return launch_resizing(options, choose=choose, sizes=runnable, **job)
 
 
-def _handle(args: argparse.Namespace) -> int:
+def _configure(args: argparse.Namespace) -> tuple[TrainConfig, UserFactories | None, _Scaled | None, Any]:
+    """The run's config (preset, file, flags, then a DeepSpeed/FairScale config), the user's
+    factories, the carbon scaling range and the launch options. Sets ``args``'s launch size to
+    a range's maximum."""
     from torsh_distributed.cli.run import options_from_args
 
     config = config_from_args(args)
@@ -471,6 +477,36 @@ def _handle(args: argparse.Namespace) -> int:
         print(report.format(), flush=True)
     elif getattr(args, "strict", False):
         raise ValueError("--strict applies to --deepspeed FILE or --fairscale FILE")
+    return config, user, scaled, options
+
+
+def resolved_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``--print-config``: the command line's settings with every field of the resolved
+    :class:`TrainConfig` (a DeepSpeed/FairScale config applied: its report goes to stderr).
+    The built-in GPT's ``model``/``data`` sections are left out with ``--model``."""
+    import contextlib
+    import copy
+
+    from torsh_distributed.cli._config_file import settings_of
+
+    shown = settings_of(args)  # before _configure sets a range's maximum
+    with contextlib.redirect_stdout(sys.stderr):
+        config, user, _, _ = _configure(copy.copy(args))
+    sections = TrainConfig.sections()
+    for key in list(shown):
+        if key in ("deepspeed", "fairscale", "strict") or key.partition(".")[0] in sections \
+                or key in TrainConfig.__dataclass_fields__:
+            del shown[key]
+    for key, value in config.to_dict().items():
+        if key not in sections:
+            shown[key] = value
+        elif user is None or key not in ("model", "data"):
+            shown.update({f"{key}.{name}": inner for name, inner in value.items()})
+    return shown
+
+
+def _handle(args: argparse.Namespace) -> int:
+    config, user, scaled, options = _configure(args)
     if getattr(args, "ps_servers", 0):  # the parameter server's loop instead of the engine's
         from torsh_distributed.cli.ps_train import handle_ps
 
@@ -540,9 +576,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_user_model_arguments(parser)
     add_config_arguments(parser)
     add_deepspeed_arguments(parser)
+    from torsh_distributed.cli._config_file import add_config_file_arguments
     from torsh_distributed.cli.ps_train import add_ps_arguments
 
     add_ps_arguments(parser)
+    add_config_file_arguments(parser, tables=("user",), resolver=resolved_settings)
     parser.set_defaults(handler=_handle)
 
 

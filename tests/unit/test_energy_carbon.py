@@ -67,21 +67,21 @@ def test_csv_with_and_without_a_header(tmp_path: Path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("t,i\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z,100\n2024-03-01T12:40Z,100\n",
+        ("timestamp,intensity\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z,100\n2024-03-01T12:40Z,100\n",
          r"bad.csv: row 4: gap of 1800 s since the previous row \(the series' step is 600 s\)"),
-        ("t,i\n2024-03-01T12:10Z,100\n2024-03-01T12:00Z,100\n",
+        ("timestamp,intensity\n2024-03-01T12:10Z,100\n2024-03-01T12:00Z,100\n",
          r"bad.csv: row 3: timestamps must increase strictly"),
-        ("t,i\n2024-03-01T12:00Z,100\n2024-03-01T12:00Z,100\n",
+        ("timestamp,intensity\n2024-03-01T12:00Z,100\n2024-03-01T12:00Z,100\n",
          r"bad.csv: row 3: timestamps must increase strictly"),
-        ("t,i\n2024-03-01T12:00Z,100\nyesterday,100\n",
+        ("timestamp,intensity\n2024-03-01T12:00Z,100\nyesterday,100\n",
          r"bad.csv: row 3: timestamp 'yesterday' is not ISO 8601 or unix seconds"),
-        ("t,i\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z,lots\n",
+        ("timestamp,intensity\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z,lots\n",
          r"bad.csv: row 3: intensity 'lots' is not a number"),
-        ("t,i\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z,-4\n",
+        ("timestamp,intensity\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z,-4\n",
          r"bad.csv: row 3: intensity '-4' must be a finite number >= 0"),
-        ("t,i\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z\n",
+        ("timestamp,intensity\n2024-03-01T12:00Z,100\n2024-03-01T12:10Z\n",
          r"bad.csv: row 3: expected at least 2 columns, got 1"),
-        ("t,i\n2024-03-01T12:00Z,100\n", r"a series needs at least 2 timestamped rows"),
+        ("timestamp,intensity\n2024-03-01T12:00Z,100\n", r"a series needs at least 2 timestamped rows"),
         ("", r"bad.csv: empty carbon-intensity series"),
     ],
 )
@@ -91,6 +91,25 @@ def test_bad_csv_gets_one_line_naming_file_and_row(tmp_path: Path, text: str, me
         load_series(tmp_path / "bad.csv")
     with pytest.raises(ValueError, match=message):  # the config refuses it at construction
         CarbonConfig(series=str(tmp_path / "bad.csv"))
+
+
+def test_a_header_without_an_intensity_column_is_refused_naming_the_columns(tmp_path: Path):
+    # a renewable share in column 2 was priced as gCO2/kWh
+    (tmp_path / "share.csv").write_text("datetime,renewable_share\n2024-03-01T12:00Z,62\n2024-03-01T12:10Z,64\n")
+    with pytest.raises(ValueError, match=r"share.csv: the header names no carbon-intensity column \(columns found: 'datetime', 'renewable_share'"):
+        load_series(tmp_path / "share.csv")
+    with pytest.raises(ValueError, match=r"share.csv: the header names no carbon-intensity column"):
+        CarbonConfig(series=str(tmp_path / "share.csv"))
+    # named by any of its usual names, in any column; a byte-order mark is not part of a name
+    (tmp_path / "ok.csv").write_text("\ufeffdatetime,renewable_share,carbon_intensity\n2024-03-01T12:00Z,62,300\n2024-03-01T12:10Z,64,280\n",
+                                     encoding="utf-8")
+    assert load_series(tmp_path / "ok.csv").values == (300.0, 280.0)
+
+
+def test_a_series_that_is_not_utf8_names_the_file(tmp_path: Path):
+    (tmp_path / "latin1.csv").write_bytes("datetime,intensité gCO2/kWh\n2024-03-01T12:00Z,300\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.csv: not UTF-8 text \(byte 0xe9 at offset 17\): save the series as UTF-8"):
+        load_series(tmp_path / "latin1.csv")
 
 
 def test_bad_json_feeds(tmp_path: Path):

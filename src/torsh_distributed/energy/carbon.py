@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -195,9 +196,22 @@ def _pick(keys: list[str], wanted: tuple[str, ...]) -> str | None:
     return None
 
 
-def _rows_csv(path: Path) -> tuple[list[tuple[str, Any, Any]], str]:
-    with path.open(newline="") as fh:
-        rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
+_CSV_VALUE_NAMES = (
+    "carbonintensity",
+    "carbon_intensity",
+    "intensity",
+    "gco2/kwh",
+    "gco2eq/kwh",
+    "gco2e/kwh",
+    "gco2",
+    "value",
+)
+"""Header names of the intensity column, best first (any name containing one of the longer
+ones counts: Electricity Maps' ``Carbon Intensity gCO2eq/kWh (direct)``)."""
+
+
+def _rows_csv(path: Path, text: str) -> tuple[list[tuple[str, Any, Any]], str]:
+    rows = [r for r in csv.reader(io.StringIO(text, newline="")) if r and any(c.strip() for c in r)]
     if not rows:
         raise ValueError(f"{path}: empty carbon-intensity series")
     header = [c.strip() for c in rows[0]]
@@ -210,9 +224,15 @@ def _rows_csv(path: Path) -> tuple[list[tuple[str, Any, Any]], str]:
     column = "column 2"
     if has_header:
         tname = _pick(header, ("datetime", "timestamp", "time", "date"))
-        vname = _pick(header, ("carbonintensity", "carbon_intensity", "gco2", "intensity"))
+        vname = _pick(header, _CSV_VALUE_NAMES)
+        if vname is None:  # another column (a renewable share, a price) must not be priced as gCO2
+            raise ValueError(
+                f"{path}: the header names no carbon-intensity column (columns found: "
+                f"{', '.join(repr(c) for c in header)}; expected one named like 'carbon_intensity', "
+                "'intensity' or 'gCO2/kWh', or no header: timestamp, gCO2/kWh rows)"
+            )
         tcol = header.index(tname) if tname else 0
-        vcol = header.index(vname) if vname else 1
+        vcol = header.index(vname)
         column = f"column {header[vcol]!r}"
     out = []
     for n, row in enumerate(rows[1:] if has_header else rows, start=2 if has_header else 1):
@@ -266,7 +286,13 @@ def load_series(path: str | Path) -> IntensitySeries:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"carbon.series: {path} is not a file")
-    text = path.read_text()
+    try:  # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "
+            "save the series as UTF-8"
+        ) from None
     rows: list[tuple[str, Any, Any, Any]]
     if path.suffix.lower() == ".json" or text.lstrip()[:1] in ("{", "["):
         try:
@@ -275,7 +301,7 @@ def load_series(path: str | Path) -> IntensitySeries:
             raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
         rows, shape = _rows_json(path, data)
     else:
-        csv_rows, shape = _rows_csv(path)
+        csv_rows, shape = _rows_csv(path, text)
         rows = [(w, t, None, v) for w, t, v in csv_rows]
     if not rows:
         raise ValueError(f"{path}: empty carbon-intensity series")

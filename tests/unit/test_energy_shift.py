@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from torsh_distributed.energy import CarbonConfig, IntensitySeries
+from torsh_distributed.energy import (
+    CarbonConfig,
+    CpuTimeEstimate,
+    EnergyConfig,
+    EnergyTracker,
+    IntensitySeries,
+    grams_of_trace,
+)
 from torsh_distributed.energy.shift import ShiftPolicy, TimeShift, parse_deadline
 
 T0 = datetime(2024, 3, 1, 12, 0, tzinfo=timezone.utc).timestamp()
@@ -235,3 +242,31 @@ def test_the_cli_refuses_an_ended_series_in_one_line_before_any_rank_starts(tmp_
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "old.csv" in err[0] and "before now" in err[0], err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_energy_before_a_pause_is_not_charged_to_the_pause(tmp_path: Path):
+    values = (100, 100, 100, 100, 412, 100, 100, 100)  # the dirty slot: T0 + 8 to T0 + 10
+    clock, cpu = _Clock(T0), _Clock(0.0)
+    series = _series(values)
+    carbon = CarbonConfig(series=_write(tmp_path / "s.csv", values, start=T0))
+    tracker = EnergyTracker(EnergyConfig(interval=3600.0), carbon, meter=CpuTimeEstimate(watts_per_core=10.0, cpu_seconds=cpu),
+                            clock=clock)
+    tracker.start()
+    shift = TimeShift(lambda start: ShiftPolicy(series, 300), main=True, start_step=0, max_steps=120,
+                      write=lambda line: None, clock=clock, sleep=clock.sleep)
+    for step in range(120):  # 0.1 s steps of 1 J each; the pause idles (no CPU time)
+        clock.t += 0.1
+        cpu.t += 0.1
+        tracker.step_end()
+        shift.step_end(step + 1, mark=tracker.reading)
+    [pause] = shift.pauses
+    tracker.row()
+    # readings at the pause's start and end (the interval of an hour takes none in between)
+    assert tracker.times[1:3] == [pause["start"], pause["start"] + pause["seconds"]]
+    start, end = tracker.times[1], tracker.times[2]
+    before = tracker.joules[1]
+    expected, _ = grams_of_trace([T0, start, end, tracker.times[-1]], [0.0, before, before, 120.0], series)
+    assert tracker.grams == pytest.approx(expected)
+    # spread over the pause, the same joules would cost more: the test can tell them apart
+    spread, _ = grams_of_trace([T0, end, tracker.times[-1]], [0.0, before, 120.0], series)
+    assert spread > 1.2 * expected

@@ -268,9 +268,17 @@ class TimeShift:
             line += f"; no data before {clock_text(first)}: no pause until then"
         return line
 
-    def step_end(self, step: int, *, save: Callable[[], None] | None = None) -> None:
+    def step_end(
+        self,
+        step: int,
+        *,
+        save: Callable[[], None] | None = None,
+        mark: Callable[[], None] | None = None,
+    ) -> None:
         """After ``step`` steps: on a check step, rank 0 decides and every rank follows; a
-        pause first calls ``save`` (a checkpoint, collective) and then waits."""
+        pause first calls ``save`` (a checkpoint, collective) and then waits. ``mark`` is
+        called as a pause starts and as it ends: the energy meter's readings there keep the
+        energy spent before the pause from being spread over the pause's dirty slot."""
         if not self.on:
             return
         if step >= self.max_steps:
@@ -287,6 +295,8 @@ class TimeShift:
         if code != _CODES["pause"]:
             return
         began = self.clock()
+        if mark is not None:
+            mark()
         if save is not None:
             save()
         if self.main:  # rank 0 waits for the slot itself; the others for as long
@@ -295,6 +305,8 @@ class TimeShift:
         elif (left := pause_s - (self.clock() - began)) > 0:
             self.sleep(left)
         seconds = self.clock() - began
+        if mark is not None:
+            mark()
         self._paused += seconds
         self.pauses.append({"step": step, "start": began, "seconds": seconds, "intensity": intensity})
 

@@ -167,6 +167,14 @@ class EnergyTracker:
             self._log("energy_w", self._watts)
             self._log("carbon_grams", self.grams)
 
+    def reading(self) -> None:
+        """Read the meter now (a trace point), whatever the interval: at the edges of a carbon
+        pause, so the energy of the steps before it is priced at their own time's intensity
+        rather than spread over the pause. A no-op when off, before :meth:`start` and after
+        :meth:`finish`."""
+        if self.on and self.readings and not self._done:
+            self._sample(self._clock())
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Attribute the meter's joules over the block to phase ``name`` (two readings, no trace

@@ -33,6 +33,7 @@ class CarbonControl:
         write: Prints a line on rank 0.
         device: Where the decision broadcasts' tensors live.
         save: ``save(step)`` checkpoints now (collective): before a pause or a change of size.
+        reading: Reads the energy meter now: called as a pause starts and as it ends.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class CarbonControl:
         write: Callable[[str], None],
         device: Any,
         save: Callable[[int], None],
+        reading: Callable[[], None] | None = None,
     ) -> None:
         carbon = cfg.carbon
         self.shift = TimeShift(
@@ -65,7 +67,7 @@ class CarbonControl:
             world_size=world_size, main=main, start_step=start_step, max_steps=cfg.max_steps,
             launched_at=seg.launched_unix_s if seg is not None else None, write=write, device=device,
         )
-        self.main, self.start_step, self._save = main, start_step, save
+        self.main, self.start_step, self._save, self._reading = main, start_step, save, reading
 
     @property
     def stopped(self) -> bool:
@@ -74,7 +76,7 @@ class CarbonControl:
 
     def step_end(self, step: int) -> None:
         """After ``step`` steps (every rank): pause, or end the segment (see :attr:`stopped`)."""
-        self.shift.step_end(step, save=lambda: self._save(step))
+        self.shift.step_end(step, save=lambda: self._save(step), mark=self._reading)
         self.scale.step_end(step, save=lambda: self._save(step))
 
     def summary(self, carbon: dict[str, Any], *, energy: dict[str, Any], end_step: int,

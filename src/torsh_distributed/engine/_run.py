@@ -147,8 +147,8 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.__exit__(*exc)  # the monitor's trackers record a raised run as failed
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -351,8 +351,10 @@ class Run:
             custom_metrics=(*self.moe.metric_names, *(METRICS if cfg.energy.active else ())),
             echo=self.progress.write if cfg.progress else None,
         )
-        self._stack.callback(self.monitor.close)
+        self._stack.push(lambda kind, *_: self.monitor.close(failed=kind is not None))
         self._stack.callback(self.progress.close)
+        self.monitor.track_params({**cfg.to_dict(), "model": self.engine.name, "num_params": self.built.num_params,
+                                   "world_size": runtime.world_size, "backend": runtime.backend})
         self.energy = EnergyTracker(  # reads a counter: losses are the same with it off
             cfg.energy, cfg.carbon, rank=runtime.rank, device=self.device,
             samples_per_step=per_dp if counts else 0,
@@ -364,6 +366,7 @@ class Run:
         self.carbon = CarbonControl(  # time shifting and scaling: rank 0 decides, every rank follows
             cfg, main=runtime.is_main, world_size=runtime.world_size, start_step=self.start_step,
             write=self.write, device=self.device, save=lambda step: self.ckpt.save_now(step, self.losses),
+            reading=self.energy.reading,  # a pause's edges: energy before it is not priced in it
         )
 
     # --- the step --------------------------------------------------------------------------
@@ -406,6 +409,7 @@ class Run:
             with self.energy.phase("eval"):
                 val_loss = self.evaluate()
             self.val_history.append((step + 1, val_loss))
+            self.monitor.track_metrics({"val/loss": val_loss}, step=step + 1)
             if self.runtime.is_main:
                 self.write(f"step {step + 1}: val loss {val_loss:.4f}")
         if (step + 1) % cfg.log_every == 0 or step == self.start_step or step + 1 == cfg.max_steps:
@@ -552,7 +556,7 @@ class Run:
         """
         cfg, engine, dims, losses = self.cfg, self.engine, self.dims, self.losses
         self.progress.close()
-        monitor_report = self.monitor.finish()  # last aggregation (collective), bottleneck report
+        monitor_report = self.monitor.finish(close=False)  # last aggregation (collective), report
         energy, carbon = self.energy.finish()  # every rank's figures (collective)
         stopped = self.carbon.stopped  # a scaling segment's end: the next segment reports
         carbon = self.carbon.summary(carbon, energy=energy, end_step=len(losses),
@@ -603,5 +607,9 @@ class Run:
                 title=f"{engine.name}: {num_params / 1e6:.2f}M params, dp {dims.dp} x "
                 f"tp {dims.tp} x pp {dims.pp} x ep {dims.ep}",
             )
+        self.monitor.track_metrics({"val/loss": val_loss}, step=len(losses))  # TensorBoard, MLflow
+        files = (cfg.summary_json, cfg.monitor.plot, cfg.monitor.report_json, cfg.monitor.trace)
+        self.monitor.track_summary(result.summary(), step=len(losses), artifacts=[f for f in files if f])
+        self.monitor.close()
         return result
 

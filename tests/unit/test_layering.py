@@ -12,7 +12,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = "torsh_distributed"
 LOWER = ("runtime", "comm", "parallel", "compression", "checkpoint", "elastic", "monitor", "data",
-         "models", "plan", "compat.horovod", "horovod", "rpc", "ps", "launch", "energy")
+         "models", "plan", "compat.horovod", "horovod", "rpc", "ps", "launch", "energy", "hf")
 UPPER = ("engine", "train", "cli")
 
 

@@ -1,11 +1,13 @@
-"""``torsh-dist checkpoint verify|list DIR``: inspect checkpoints without loading them.
+"""``torsh-dist checkpoint verify|list DIR`` and ``export``: inspect checkpoints, export them.
 
 ``verify DIR`` re-hashes every file against the SHA-256 manifest. ``DIR`` is one checkpoint
 (``.../step_00000020``) or a checkpoint root; for a root every checkpoint is checked and the one a
 resume would load is named. Exit status: 0 when everything checked is valid, 1 when something is
 invalid (each problem on one line: directory, file, reason), 2 when there is nothing to check.
 ``list DIR`` prints step, size and validity of every checkpoint under a root (``--quick`` checks
-sizes only, without hashing).
+sizes only, without hashing). ``export --format hf CKPT OUT`` writes the model of a ``--model hf:``
+run as a Hugging Face directory (sharded safetensors, config, tokenizer) from a checkpoint saved
+at any world size.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ examples:
   torsh-dist checkpoint verify runs/ckpt                  # every checkpoint under the root
   torsh-dist checkpoint verify runs/ckpt/step_00000200    # one checkpoint
   torsh-dist checkpoint list runs/ckpt --json
+  torsh-dist checkpoint export --format hf runs/ckpt runs/hf   # then from_pretrained("runs/hf")
 """
 
 
@@ -106,11 +109,25 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from torsh_distributed.hf.export import export_hf  # transformers: not for --help
+
+    try:
+        result = export_hf(
+            args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"torsh-dist checkpoint export: {exc}", file=sys.stderr)
+        return 2
+    print(result.describe())
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``checkpoint`` subcommand with ``verify`` and ``list``."""
+    """Add the ``checkpoint`` subcommand with ``verify``, ``list`` and ``export``."""
     parser = sub.add_parser(
         "checkpoint",
-        help="verify or list checkpoints (SHA-256 manifest, commit marker)",
+        help="verify, list or export checkpoints (SHA-256 manifest, commit marker)",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -127,3 +144,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     list_parser.add_argument("--quick", action="store_true", help="check sizes only, do not hash")
     list_parser.add_argument("--json", action="store_true", help="machine-readable output")
     list_parser.set_defaults(handler=_list)
+    export_parser = actions.add_parser(
+        "export", help="write a --model hf: run's checkpoint as a Hugging Face model directory"
+    )
+    export_parser.add_argument("checkpoint", metavar="CKPT",
+                               help="a checkpoint root (its newest valid step) or one step_* directory")
+    export_parser.add_argument("out", metavar="OUT", help="new (or empty) directory to write")
+    export_parser.add_argument("--format", choices=["hf"], required=True,
+                               help="hf: safetensors + config.json + tokenizer (from_pretrained loads it)")
+    export_parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                               help="largest safetensors file, e.g. 5GB, 200MB (default 5GB)")
+    export_parser.add_argument("--dtype", default="float32",
+                               choices=["float32", "bfloat16", "float16"],
+                               help="dtype of the written weights (default float32, as trained)")
+    export_parser.set_defaults(handler=_export)

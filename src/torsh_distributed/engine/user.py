@@ -9,6 +9,11 @@ patterns to styles; ``--val-dataset`` a held-out set). ``MODULE`` is an importab
 and calls them once in the launching process, on the ``meta`` device for the model, so a factory
 that cannot be imported, returns the wrong type, or a split point that names no module is
 reported before any rank starts.
+
+``hf:`` values name Hugging Face inputs instead (:mod:`torsh_distributed.hf`): ``--model
+hf:DIR`` a ``transformers`` causal LM (its FSDP units, TP plan and loss come from the model),
+``--dataset hf:FILE`` a local text file tokenized with that model's tokenizer, ``--loss hf`` the
+model's own loss function.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +36,9 @@ from torsh_distributed.engine.engine import Engine
 from torsh_distributed.parallel.parallelize import check_init_coverage
 from torsh_distributed.parallel.pipeline import check_split_points
 from torsh_distributed.parallel.tp_plan import TPPlan, resolve_tp_plan
+
+if TYPE_CHECKING:
+    from torsh_distributed.hf.model import HFCausalLM
 
 __all__ = ["UserFactories", "load_object"]
 
@@ -115,7 +123,51 @@ class UserFactories:
                 out += [flag, value]
         return out
 
+    def _hf(self) -> HFCausalLM | None:
+        """The Hugging Face model ``--model hf:PATH`` names (``None`` for a factory)."""
+        from torsh_distributed.hf import is_hf
+
+        if not is_hf(self.model):
+            return None
+        from torsh_distributed.hf.model import load_hf_model
+
+        return load_hf_model(self.model)
+
+    def _hf_dataset(self, spec: str, what: str) -> Any:
+        hf = self._hf()
+        if hf is None:
+            raise ValueError(
+                f"--{what} {spec} is tokenized with the model's tokenizer: it needs --model hf:DIR"
+            )
+        from torsh_distributed.hf.data import load_packed
+
+        max_positions = getattr(hf.config, "max_position_embeddings", None)
+        return load_packed(
+            spec, hf.tokenizer(), max_positions=max_positions,
+            vocab_size=int(hf.config.vocab_size), what=what,
+        )
+
+    def _loss(self) -> Callable[[Any, Any], torch.Tensor] | None:
+        """The loss: ``--loss hf`` (the model's own), a function, or the default (``None``:
+        cross-entropy; for ``--model hf:`` ours on the logits)."""
+        hf = self._hf()
+        if self.loss == "hf":
+            if hf is None:
+                raise ValueError("--loss hf is the loss of a Hugging Face model: it needs --model hf:DIR")
+            return hf.model_loss()
+        if self.loss:
+            return _callable(self.loss, what="loss")
+        if hf is not None:
+            from torsh_distributed.hf.model import lm_loss
+
+            return lm_loss
+        return None
+
     def _dataset(self, spec: str, what: str) -> Any:
+        from torsh_distributed.hf import is_hf
+
+        if is_hf(spec):
+            return self._hf_dataset(spec, what)
         data = _call(spec, what=what)
         if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise ValueError(
@@ -133,9 +185,11 @@ class UserFactories:
         return data
 
     def plan(self) -> TPPlan | None:
-        """The plan ``--tp-plan`` names (its factory called), or ``None``."""
+        """The plan ``--tp-plan`` names (its factory called); without it a Hugging Face model's
+        own plan, translated; else ``None``."""
         if not self.tp_plan:
-            return None
+            hf = self._hf()
+            return hf.tp_plan() if hf is not None else None
         plan = _call(self.tp_plan, what="tp-plan")
         if isinstance(plan, dict):
             plan = TPPlan(rules=plan)
@@ -153,8 +207,12 @@ class UserFactories:
         Raises:
             ValueError: naming the flag and what is wrong.
         """
-        with torch.device("meta"):
-            model = _call(self.model, what="model")
+        hf = self._hf()
+        if hf is not None:
+            model = hf.meta_model
+        else:
+            with torch.device("meta"):
+                model = _call(self.model, what="model")
         if not isinstance(model, nn.Module):
             raise ValueError(
                 f"--model {self.model} returned {type(model).__name__}, expected a torch.nn.Module"
@@ -162,15 +220,14 @@ class UserFactories:
         self._dataset(self.dataset, "dataset")
         if self.val_dataset:
             self._dataset(self.val_dataset, "val-dataset")
-        if self.loss:
-            _callable(self.loss, what="loss")
-        plan = self.plan()
+        self._loss()
         par = config.parallel
         if par.tp > 1:
+            plan = self.plan()
             if plan is None:
                 raise ValueError(f"--tp {par.tp} needs --tp-plan MODULE:FUNCTION for a user model")
             resolve_tp_plan(model, plan, par.tp)
-        elif plan is not None:
+        elif self.tp_plan:
             raise ValueError("--tp-plan is given but --tp is 1")
         if par.pp > 1:
             check_split_points(model, par.split_points, num_stages=par.pp * par.virtual_stages)
@@ -179,13 +236,17 @@ class UserFactories:
 
     def engine(self, config: EngineConfig) -> Engine:
         """The engine for this run (on a rank: the factories are called here)."""
+        hf = self._hf()
+        dataset = self._dataset(self.dataset, "dataset")
         return Engine(
-            _callable(self.model, what="model"),
-            dataset=self._dataset(self.dataset, "dataset"),
+            hf.build if hf is not None else _callable(self.model, what="model"),
+            dataset=dataset,
             val_dataset=self._dataset(self.val_dataset, "val-dataset") if self.val_dataset else None,
-            loss_fn=_callable(self.loss, what="loss") if self.loss else None,
+            loss_fn=self._loss(),
             config=config,
-            tp_plan=self.plan(),
+            tp_plan=self.plan() if config.parallel.tp > 1 else None,
+            blocks=hf.blocks() if hf is not None else None,
+            tokens_per_sample=int(getattr(dataset, "seq_len", 0) or 0),
             settings={"model": self.model, "dataset": self.dataset, "loss": self.loss},
-            model_info={"kind": "factory", "factory": self.model},
+            model_info=hf.model_info() if hf is not None else {"kind": "factory", "factory": self.model},
         )

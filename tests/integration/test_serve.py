@@ -203,7 +203,7 @@ def test_openai_client_lists_completes_streams_and_chats(server: InferenceServer
     prompt = PYTHON_COMMENTS.render(messages)
     assert prompt == "# system: Python.\n# user: Count\n# lines.\n# assistant:\n"
     ref = generate(model, encode_bytes(prompt),
-                   SamplingConfig(max_new_tokens=12, temperature=0, stop_strings=("\n# user:",)),
+                   SamplingConfig(max_new_tokens=12, temperature=0, stop_strings=PYTHON_COMMENTS.stop),
                    decode=decode_bytes)
     chat = oc.chat.completions.create(model="torsh-gpt", messages=messages, max_tokens=12,
                                       temperature=0)
@@ -611,7 +611,7 @@ def test_cli_tp2_serves_the_openai_api_with_the_same_answers_and_releases_every_
         assert "".join(c.choices[0].text for c in streamed) == expected[0]
         messages = [{"role": "user", "content": "hello"}]
         ref = generate(model, encode_bytes(PYTHON_COMMENTS.render(messages)),
-                       SamplingConfig(max_new_tokens=8, temperature=0, stop_strings=("\n# user:",)),
+                       SamplingConfig(max_new_tokens=8, temperature=0, stop_strings=PYTHON_COMMENTS.stop),
                        decode=decode_bytes)
         chat = oc.chat.completions.create(model="ckpt", messages=messages, max_tokens=8,
                                           temperature=0)

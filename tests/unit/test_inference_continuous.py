@@ -184,7 +184,7 @@ def test_a_chat_request_renders_the_template_and_adds_its_stop():
     p = plan(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],'
              b' "max_completion_tokens": 5}', "chat")
     assert decode_bytes(p.choices[0].tokens) == "# user: hi\n# assistant:\n"
-    assert p.choices[0].sampling.stop_strings == ("\n# user:",)
+    assert p.choices[0].sampling.stop_strings == ("\n# user:", "\n# user (")
     assert p.choices[0].sampling.max_new_tokens == 5
     default = plan(b'{"messages": [{"role": "user", "content": "hi"}]}', "chat")
     assert default.choices[0].sampling.max_new_tokens == 32  # the server's limit
@@ -196,6 +196,15 @@ def test_a_chat_request_renders_the_template_and_adds_its_stop():
         plan(b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "chat")
     with pytest.raises(oa.APIError, match="messages.0.role"):
         plan(b'{"messages": [{"role": "robot", "content": "x"}]}', "chat")
+
+
+def test_a_chat_messages_name_is_rendered_or_refused_never_dropped():
+    p = plan(b'{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "name": "alice", "content": "hi"}]}', "chat")
+    assert decode_bytes(p.choices[0].tokens) == "# system: be brief\n# user (alice): hi\n# assistant:\n"
+    for bad in (b'""', b'"a\\nb"'):
+        with pytest.raises(oa.APIError, match=r"messages\[1\].name must be a non-empty name on one line") as info:
+            plan(b'{"messages": [{"role": "user", "content": "x"}, {"role": "user", "name": ' + bad + b', "content": "y"}]}', "chat")
+        assert (info.value.status, info.value.param) == (400, "messages[1].name")
 
 
 def test_streamed_text_holds_back_a_partial_stop_string_and_utf8_character():

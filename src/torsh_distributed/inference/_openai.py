@@ -383,13 +383,22 @@ def plan_chat(
             400, "give max_tokens or max_completion_tokens, not both", param="max_tokens"
         )
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         content = (
             m.content
             if isinstance(m.content, str) or m.content is None
             else ("".join(part.text for part in m.content))
         )
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:  # the template renders it (ours: "# user (alice): ...")
+            if not m.name.strip() or any(c in m.name for c in "\r\n"):
+                raise APIError(
+                    400,
+                    f"messages[{i}].name must be a non-empty name on one line, got {m.name!r}",
+                    param=f"messages[{i}].name",
+                )
+            message["name"] = m.name
+        messages.append(message)
     prompt = encode(template.render(messages))
     limit = limits.max_new_tokens_limit
     if limits.max_seq_len is not None:

@@ -519,6 +519,10 @@ def _handle(args: argparse.Namespace) -> int:
     inside_launch = world is not None
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
+    if (config.monitor.tensorboard or config.monitor.mlflow) and not inside_launch:
+        from torsh_distributed.monitor.tracking import check_tracking
+
+        check_tracking(config.monitor)  # a bad URI or directory: refused before any rank starts
     if config.carbon.max_intensity and not inside_launch:
         config.carbon.shift_policy().check(time.time())  # a series or deadline already past
     if world is not None:

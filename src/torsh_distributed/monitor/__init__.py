@@ -1,8 +1,10 @@
 """Observability: per-rank metrics aggregated across ranks, anomaly detection, bottleneck report,
-Prometheus exporter, alerting and a live dashboard (see docs/observability.md).
+Prometheus exporter, alerting, a live dashboard and experiment tracking (TensorBoard, MLflow; see
+docs/observability.md).
 
 :class:`StepMonitor` is the entry point for any training loop; :class:`MetricsSink` is where its
-aggregations go (:class:`JsonlSink`, the Prometheus exporter, the dashboard, or your own).
+aggregations go (:class:`JsonlSink`, the Prometheus exporter, the dashboard, or your own);
+:class:`RunTracker` s (:class:`TensorBoardSink`, :class:`MLflowSink`) also record the run around them.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ if TYPE_CHECKING:
     from torsh_distributed.monitor.config import MonitorConfig
     from torsh_distributed.monitor.metrics import FIELDS, PHASES, Aggregate, aggregate, gather
     from torsh_distributed.monitor.report import Report, build_report
-    from torsh_distributed.monitor.sinks import JsonlSink, MetricsSink
+    from torsh_distributed.monitor.sinks import JsonlSink, MetricsSink, RunTracker
     from torsh_distributed.monitor.step import StepMonitor
+    from torsh_distributed.monitor.tracking import MLflowSink, TensorBoardSink
 
 __all__ = [
     "Aggregate",
@@ -37,12 +40,15 @@ __all__ = [
     "FIELDS",
     "JsonlSink",
     "LogNotifier",
+    "MLflowSink",
     "MetricsSink",
     "MonitorConfig",
     "PHASES",
     "RateOfChangeRule",
     "Report",
+    "RunTracker",
     "StepMonitor",
+    "TensorBoardSink",
     "ThresholdRule",
     "WebhookNotifier",
     "ZScoreDetector",
@@ -64,7 +70,8 @@ __getattr__, __dir__ = exports(
         "config": ("MonitorConfig",),
         "metrics": ("FIELDS", "PHASES", "Aggregate", "aggregate", "gather"),
         "report": ("Report", "build_report"),
-        "sinks": ("JsonlSink", "MetricsSink"),
+        "sinks": ("JsonlSink", "MetricsSink", "RunTracker"),
         "step": ("StepMonitor",),
+        "tracking": ("MLflowSink", "TensorBoardSink"),
     },
 )

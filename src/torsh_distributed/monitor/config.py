@@ -1,11 +1,12 @@
 """The trainer's ``monitor`` section: metrics, Prometheus, dashboard, alerts, bottleneck report,
-loss-curve plot."""
+loss-curve plot, experiment tracking (TensorBoard, MLflow)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from torsh_distributed.monitor.plot import FORMATS, check_available
+from torsh_distributed.monitor.tracking import check_installed
 
 __all__ = ["MonitorConfig"]
 
@@ -14,7 +15,8 @@ __all__ = ["MonitorConfig"]
 class MonitorConfig:
     """Observability of a training run; everything is off by default (no cost, no output).
 
-    Any of ``metrics_port``, ``dashboard_port``, ``alerts`` or ``report_json`` turns monitoring on;
+    Any of ``metrics_port``, ``dashboard_port``, ``alerts``, ``report_json``, ``trace``,
+    ``tensorboard`` or ``mlflow`` turns monitoring on;
     ``--monitor`` turns it on with only the progress-bar fields and the end-of-run report.
     """
 
@@ -41,6 +43,20 @@ class MonitorConfig:
     """Write the loss curve (training loss per step, validation points) to this PNG (or .svg,
     .pdf) at the end of the run (rank 0); needs matplotlib (``pip install
     'torsh-distributed[plot]'``). Empty = no plot. Does not turn monitoring on."""
+    tensorboard: str = field(default="", metadata={"flags": ["--tensorboard"]})
+    """Write TensorBoard event files here (rank 0): every step's loss, learning rate and
+    gradient norm, each aggregation's metrics, the parameters and the summary. Needs the
+    ``tracking`` extra. Empty = off."""
+    mlflow: str = field(default="", metadata={"flags": ["--mlflow"]})
+    """Log the run to this MLflow tracking URI (rank 0; ``http://host:5000``,
+    ``sqlite:///runs.db``, ...): parameters, the same metrics as ``tensorboard``, the summary
+    and artefacts (summary JSON, plot, report). Checked before any rank starts. Needs the
+    ``tracking`` extra. Empty = off."""
+    experiment: str = field(default="", metadata={"flags": ["--experiment"]})
+    """MLflow experiment of the run (created when missing); empty = MLflow's default."""
+    run_name: str = field(default="", metadata={"flags": ["--run-name"]})
+    """Name of the run: the MLflow run's name, and a subdirectory of ``tensorboard`` (where
+    TensorBoard finds runs); empty = MLflow's generated name, events straight into ``tensorboard``."""
     job: str = field(default="torsh", metadata={"flags": ["--metrics-job"]})
     """Value of the ``job`` label on every exported metric."""
     health_interval: float = field(default=1.0, metadata={"flags": ["--health-interval"]})
@@ -84,6 +100,29 @@ class MonitorConfig:
                     f"monitor.plot (--plot) must end in {', '.join(FORMATS)}, got {self.plot!r}"
                 )
             check_available("monitor.plot (--plot)")  # before any rank starts
+        self._check_tracking()
+
+    def _check_tracking(self) -> None:
+        if self.tensorboard:
+            check_installed("tensorboard", "monitor.tensorboard (--tensorboard)")
+        if self.mlflow:
+            if not self.mlflow.strip():
+                raise ValueError("monitor.mlflow (--mlflow) must be a tracking URI, got only spaces")
+            check_installed("mlflow", "monitor.mlflow (--mlflow)")
+        if self.experiment and not self.mlflow:
+            raise ValueError(
+                f"monitor.experiment (--experiment {self.experiment}) names an MLflow experiment: give "
+                "--mlflow URI too (TensorBoard has no experiments: use --run-name)"
+            )
+        if self.run_name and not (self.mlflow or self.tensorboard):
+            raise ValueError(
+                f"monitor.run_name (--run-name {self.run_name}) names a tracked run: give --tensorboard "
+                "DIR or --mlflow URI too"
+            )
+        if self.run_name and self.tensorboard and ("/" in self.run_name or self.run_name in (".", "..")):
+            raise ValueError(
+                f"monitor.run_name must be one directory name under --tensorboard, got {self.run_name!r}"
+            )
 
     @property
     def active(self) -> bool:
@@ -95,4 +134,6 @@ class MonitorConfig:
             or self.alerts
             or self.report_json
             or self.trace
+            or self.tensorboard
+            or self.mlflow
         )

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from torsh_distributed.monitor.anomaly import Anomaly
 from torsh_distributed.monitor.metrics import Aggregate
 
-__all__ = ["MetricsSink", "JsonlSink", "json_safe"]
+__all__ = ["MetricsSink", "RunTracker", "JsonlSink", "json_safe"]
 
 
 @runtime_checkable
@@ -53,6 +54,42 @@ class MetricsSink(Protocol):
 
     def close(self) -> None:
         """Flush and release resources (files, sockets, threads); called once at the end."""
+        ...
+
+
+@runtime_checkable
+class RunTracker(MetricsSink, Protocol):
+    """A sink that records a whole run (an experiment tracker): started before the first step,
+    given the parameters, every step's scalars, the summary and artefacts, then ended.
+
+    The monitor calls every method on rank 0 only, in the training thread: :meth:`start` when
+    it is built (so a bad location fails before training), :meth:`log_steps` at each
+    aggregation with the steps since the previous one (before :meth:`update`), and
+    ``close(failed=True)`` when the run raised. :class:`~torsh_distributed.monitor.tracking.
+    TensorBoardSink` and :class:`~torsh_distributed.monitor.tracking.MLflowSink` implement it.
+    """
+
+    def start(self) -> None:
+        """Open the run (idempotent); raise ``ValueError`` when its location is not usable."""
+        ...
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """The run's parameters (nested mappings allowed), once."""
+        ...
+
+    def log_steps(self, records: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        """Scalars of several steps: ``(step, {name: value})``, finite values only."""
+        ...
+
+    def log_summary(
+        self, summary: Mapping[str, Any], *, step: int, name: str = "summary", artifacts: Sequence[str | Path] = ()
+    ) -> None:
+        """The run's summary (nested; its numbers become ``<name>/<key>`` at ``step``) and files
+        to keep with the run (those that do not exist are skipped)."""
+        ...
+
+    def close(self, *, failed: bool = False) -> None:
+        """Flush everything and end the run, as failed when ``failed``; idempotent."""
         ...
 
 

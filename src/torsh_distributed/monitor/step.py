@@ -29,14 +29,15 @@ import re
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from torsh_distributed.monitor import alerts as A
+from torsh_distributed.monitor._trackers import TrackerSet
 from torsh_distributed.monitor.anomaly import AnomalyTracker
 from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.monitor.metrics import (
@@ -48,7 +49,7 @@ from torsh_distributed.monitor.metrics import (
     rss_bytes,
 )
 from torsh_distributed.monitor.report import Report, build_report
-from torsh_distributed.monitor.sinks import MetricsSink, json_safe
+from torsh_distributed.monitor.sinks import MetricsSink, RunTracker, json_safe
 from torsh_distributed.monitor.trace import PhaseTrace
 from torsh_distributed.runtime import world
 
@@ -144,7 +145,10 @@ class StepMonitor:
             and cannot desynchronise the collective; the monitor checks at its first aggregation
             that every rank declared the same names (ValueError on every rank otherwise).
         sinks: Extra :class:`~torsh_distributed.monitor.sinks.MetricsSink` s fed on rank 0 after
-            the built-in ones (Prometheus exporter, dashboard); the monitor closes them at the end.
+            the built-in ones (Prometheus exporter, dashboard, TensorBoard, MLflow); the monitor
+            closes them at the end. A :class:`~torsh_distributed.monitor.sinks.RunTracker`
+            among them is started here on rank 0 and also gets every step's loss, learning rate
+            and gradient norm, the ``track_*`` calls and the report at :meth:`finish`.
             Ignored, with a warning, when monitoring is off.
         echo: Prints a line on rank 0 (a progress bar's ``write``); ``print`` by default.
     """
@@ -231,6 +235,7 @@ class StepMonitor:
         self.alerts: A.AlertManager | None = None
         self._dashboard: Any = None
         self.sinks: list[MetricsSink] = []
+        self._tracking: TrackerSet | None = None  # rank 0 with trackers
         if self.main:
             self.alerts = (
                 A.load_alerts(config.alerts, echo=self._echo)
@@ -239,6 +244,8 @@ class StepMonitor:
             )
             self._build_sinks()
         self.sinks.extend(sinks)
+        if self.main:
+            self._start_trackers()
 
     def _build_sinks(self) -> None:
         config = self.config
@@ -262,8 +269,24 @@ class StepMonitor:
                 )
                 self.sinks.append(self._dashboard)
                 self._echo(f"live dashboard: {self._dashboard.url}")
+            if config.tensorboard or config.mlflow:
+                from torsh_distributed.monitor.tracking import build_trackers
+
+                self.sinks.extend(build_trackers(config))
         except BaseException:
             self.close()  # the exporter's port, when the dashboard's failed
+            raise
+
+    def _start_trackers(self) -> None:
+        """Rank 0: open every tracker's run now, so a bad location fails before training."""
+        trackers = [sink for sink in self.sinks if isinstance(sink, RunTracker)]
+        if not trackers:
+            return
+        self._tracking = TrackerSet(trackers)
+        try:
+            self._tracking.start()
+        except BaseException:
+            self.close(failed=True)
             raise
 
     def _parse_slow(self) -> float:
@@ -369,6 +392,8 @@ class StepMonitor:
         if grad_norm is not None:
             w.grad_norm = grad_norm
             self._grad_norm_given = True
+        if self._tracking is not None:  # rank 0: converted at the aggregation
+            self._tracking.record(step, loss, lr, grad_norm)
         if step % self.config.every == 0:
             self._aggregate(step)
 
@@ -460,17 +485,46 @@ class StepMonitor:
         severities = dict.fromkeys(A.SEVERITIES, 0)
         for alert in self.alerts.active():
             severities[alert.severity] += 1
+        if self._tracking is not None:
+            self._tracking.flush()  # every step's loss, before the aggregation's metrics
         for sink in self.sinks:
             sink.update(agg, alerts_by_severity=dict(severities), anomalies=list(found))
 
+    # --- experiment tracking (rank 0; no-ops elsewhere and without trackers) ---
+
+    def track_params(self, params: Mapping[str, Any]) -> None:
+        """Hand the run's parameters (nested mappings allowed) to the trackers; call once."""
+        if self.on and self._tracking is not None:
+            self._tracking.params(params)
+
+    def track_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        """Hand scalars of ``step`` (a validation loss, ...) to the trackers now; any rank may
+        call it, rank 0's values are recorded."""
+        if self.on and self._tracking is not None:
+            self._tracking.metrics(metrics, step=step)
+
+    def track_summary(
+        self, summary: Mapping[str, Any], *, step: int, name: str = "summary", artifacts: Sequence[str] = ()
+    ) -> None:
+        """Hand the run's summary and files to keep with it to the trackers (see
+        :meth:`RunTracker.log_summary <torsh_distributed.monitor.sinks.RunTracker.log_summary>`)."""
+        if self.on and self._tracking is not None:
+            self._tracking.summary(summary, step=step, name=name, artifacts=artifacts)
+
     # --- end of run ---
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self, *, close: bool = True) -> dict[str, Any]:
         """Last aggregation (collective), report (printed and written on rank 0), sinks closed.
 
         Returns the report as a dict ({} when monitoring is off); identical on every rank except
         for the ``alerts`` block, which only rank 0 evaluates, and ``monitor_overhead``. Custom
         metrics are under ``custom``.
+
+        Args:
+            close: Hand the report to the trackers as their summary (``report.json``, with the
+                report and trace files) and close every sink. ``False`` leaves the sinks open for
+                a caller that has a summary of its own to track (the engine's carries this
+                report under ``monitor``), then calls :meth:`close`.
         """
         if not self.on:
             return {}
@@ -485,7 +539,8 @@ class StepMonitor:
             if path is not None:
                 self._echo(f"step-phase trace (all ranks, time-aligned): {path}")
         if not self.history:
-            self.close()
+            if close:
+                self.close()
             return {}
         comm: list[dict[str, Any]] = []
         try:
@@ -522,13 +577,17 @@ class StepMonitor:
                 tmp = path.with_name(path.name + ".tmp")
                 tmp.write_text(json.dumps(data, indent=2) + "\n")
                 tmp.replace(path)
-        self.close()
+        if close:
+            files = [f for f in (self.config.report_json, self.config.trace) if f]
+            self.track_summary(data, step=self.history[-1].step, name="report", artifacts=files)
+            self.close()
         return data
 
-    def close(self) -> None:
-        """Close the sinks (the dashboard publishes its final state first), stop the alert
-        notifiers, remove the gradient hooks, stop the health watch (idempotent; :meth:`finish`
-        calls it)."""
+    def close(self, *, failed: bool = False) -> None:
+        """Close the sinks (the dashboard publishes its final state first; trackers flush and
+        end their run, as failed when ``failed``: pass ``True`` from an error path), stop the
+        alert notifiers, remove the gradient hooks, stop the health watch (idempotent;
+        :meth:`finish` calls it)."""
         if self.health is not None:
             self.health.stop()
         if not self.on:
@@ -537,10 +596,19 @@ class StepMonitor:
             handle.remove()
         self._hooks = []
         sinks, self.sinks, self._dashboard = self.sinks, [], None
+        tracking, self._tracking = self._tracking, None
         errors: list[Exception] = []
+        if tracking is not None:
+            try:
+                tracking.flush()  # the steps since the last aggregation (a run that raised)
+            except Exception as exc:
+                errors.append(exc)
         for sink in sinks:  # every sink gets closed even when one fails
             try:
-                sink.close()
+                if failed and tracking is not None and tracking.owns(sink):
+                    cast(RunTracker, sink).close(failed=True)
+                else:
+                    sink.close()
             except Exception as exc:
                 errors.append(exc)
         if self.alerts is not None:

@@ -146,3 +146,13 @@ def test_unusable_locations_fail_before_the_first_step(tmp_path: Path):
     with pytest.raises(ValueError, match="not usable"):
         engine.fit()
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_params_are_flat_text_without_passwords():
+    from torsh_distributed.monitor.tracking import params_text
+
+    assert params_text({"monitor": {"mlflow": "https://bob:s3cret@mlflow.example:5000"}, "optim": {"lr": 0.01},
+                        "layout": [1, 2], "shuffle": True}) == {
+        "monitor.mlflow": "https://bob:***@mlflow.example:5000", "optim.lr": "0.01", "layout": "[1, 2]",
+        "shuffle": "true",
+    }

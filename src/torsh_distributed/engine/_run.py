@@ -608,7 +608,7 @@ class Run:
                 f"tp {dims.tp} x pp {dims.pp} x ep {dims.ep}",
             )
         self.monitor.track_metrics({"val/loss": val_loss}, step=len(losses))  # TensorBoard, MLflow
-        files = (cfg.summary_json, cfg.monitor.plot, cfg.monitor.report_json, cfg.monitor.trace)
+        files = (cfg.monitor.plot, cfg.monitor.report_json, cfg.monitor.trace)  # + summary.json
         self.monitor.track_summary(result.summary(), step=len(losses), artifacts=[f for f in files if f])
         self.monitor.close()
         return result

@@ -38,6 +38,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -57,6 +58,7 @@ __all__ = [
     "check_installed",
     "check_tracking",
     "flatten",
+    "params_text",
     "scalars",
 ]
 
@@ -66,6 +68,7 @@ EXTRA = "pip install 'torsh-distributed[tracking]'"
 _MLFLOW_BATCH = 1000  # metrics per log_batch request (the REST API's limit)
 _MLFLOW_PARAMS = 100  # params per log_batch request
 _MLFLOW_PARAM_CHARS = 6000  # longest param value MLflow stores
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/@\s]*@")
 
 
 def check_installed(module: str, what: str) -> None:
@@ -86,6 +89,21 @@ def flatten(data: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` with the password of any ``scheme://user:password@host`` URI in it replaced:
+    parameters are readable by everyone who can read the run."""
+    return _USERINFO.sub(r"\1:***@", value) if isinstance(value, str) else value
+
+
+def params_text(params: Mapping[str, Any]) -> dict[str, str]:
+    """``params`` flattened, each value as text (strings as they are, others as JSON),
+    credentials in URIs redacted."""
+    return {
+        key: _redacted(value if isinstance(value, str) else json.dumps(value, default=str))
+        for key, value in flatten(params).items()
+    }
 
 
 def scalars(data: Mapping[str, Any]) -> dict[str, float]:
@@ -148,10 +166,11 @@ class TensorBoardSink:
             self._writer.add_scalar(key, value, global_step=step, walltime=walltime)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """The parameters as one markdown table (TensorBoard's Text tab, tag ``params``)."""
+        """The parameters as one markdown table (TensorBoard's Text tab, tag ``params``;
+        passwords in URIs redacted)."""
         if self._writer is None:
             self.start()
-        rows = "\n".join(f"| {k} | {v} |" for k, v in flatten(params).items())
+        rows = "\n".join(f"| {k} | {v} |" for k, v in params_text(params).items())
         self._writer.add_text("params", f"| parameter | value |\n|---|---|\n{rows}", global_step=0)
         self._writer.flush()
 
@@ -270,15 +289,13 @@ class MLflowSink:
         return [Metric(key, value, now, step) for step, values in records for key, value in values.items()]
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """The parameters (flattened, values as text cut at MLflow's 6000 characters)."""
+        """The parameters (flattened, values as text cut at MLflow's 6000 characters, passwords
+        in URIs redacted)."""
         if self.run_id is None:
             self.start()
         from mlflow.entities import Param
 
-        items = [
-            Param(key, (value if isinstance(value, str) else json.dumps(value, default=str))[:_MLFLOW_PARAM_CHARS])
-            for key, value in flatten(params).items()
-        ]
+        items = [Param(key, value[:_MLFLOW_PARAM_CHARS]) for key, value in params_text(params).items()]
         for i in range(0, len(items), _MLFLOW_PARAMS):
             self._client.log_batch(self.run_id, params=items[i : i + _MLFLOW_PARAMS])
 

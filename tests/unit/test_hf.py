@@ -130,3 +130,25 @@ def test_hf_inputs_that_do_not_fit_together_are_refused(tiny: Path, tmp_path: Pa
     with pytest.raises(ValueError, match="not a save_pretrained directory"):
         UserFactories(model=f"hf:{tmp_path}", dataset=data).check(config)
     UserFactories(model=f"hf:{tiny / 'config.json'}", dataset=data, loss="hf").check(config)
+
+
+def test_cached_decoding_of_a_transformers_model_equals_its_forward(tiny: Path):
+    from torsh_distributed.hf.generate import HFCausalLMAdapter
+    from torsh_distributed.inference.cache import KVCache
+    from torsh_distributed.inference.config import SamplingConfig
+    from torsh_distributed.inference.generate import generate_batch
+
+    torch.manual_seed(0)
+    adapter = HFCausalLMAdapter(load_hf_model(f"hf:{tiny}").build()).eval()
+    x = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    cache = KVCache(batch_size=1, max_len=16)
+    with torch.no_grad():
+        full = adapter(x)
+        parts = [adapter.forward_cached(x[:, :3], cache)]  # prefill, then one token at a time
+        parts += [adapter.forward_cached(x[:, i : i + 1], cache) for i in range(3, 6)]
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+    prompts = [[3, 4, 5, 6], [9, 10]]  # left-padded together
+    config = SamplingConfig(max_new_tokens=6)
+    cached = generate_batch(adapter, prompts, [config] * 2, cache=True)
+    plain = generate_batch(adapter, prompts, [config] * 2, cache=False)
+    assert [r.tokens for r in cached] == [r.tokens for r in plain]

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from torsh_distributed.inference.chat import PYTHON_COMMENTS, ChatTemplate
 from torsh_distributed.inference.generate import TextGenerator
 from torsh_distributed.inference.load import find_checkpoint, load_gpt, read_gpt_config
 from torsh_distributed.inference.server import InferenceServer, ServerConfig, follow
@@ -74,10 +75,20 @@ def check_checkpoint(checkpoint: str | os.PathLike[str], *, tp: int) -> Path:
     :func:`~torsh_distributed.inference.load.find_checkpoint`), checked for serving at ``tp``:
     resolved once, so every rank loads the same step.
 
+    A Hugging Face model directory or a checkpoint of a ``--model hf:`` run is served by
+    :mod:`torsh_distributed.hf.serving` (``tp`` 1).
+
     Raises:
         FileNotFoundError, ValueError: no valid checkpoint; a model without a recorded
-            configuration; ``tp`` that does not divide its heads; an MoE model with ``tp > 1``.
+            configuration; ``tp`` that does not divide its heads; an MoE model with ``tp > 1``;
+            a Hugging Face model with ``tp > 1``.
     """
+    from torsh_distributed.hf.serving import is_hf_source
+
+    if is_hf_source(checkpoint):
+        if tp > 1:
+            raise ValueError("--tp > 1 serves the built-in GPT; a Hugging Face model serves with --tp 1")
+        return Path(checkpoint) if (Path(checkpoint) / "config.json").is_file() else find_checkpoint(checkpoint)
     path = find_checkpoint(checkpoint)
     config, moe = read_gpt_config(path)
     if tp > 1 and config.n_head % tp:
@@ -89,9 +100,13 @@ def check_checkpoint(checkpoint: str | os.PathLike[str], *, tp: int) -> Path:
 
 def _load(
     path: Path, *, tp: int, dtype: torch.dtype | None
-) -> tuple[TextGenerator, dict[str, Any]]:
+) -> tuple[TextGenerator, dict[str, Any], ChatTemplate]:
     runtime = world.current()
     device = runtime.device if runtime is not None else torch.device("cpu")
+    from torsh_distributed.hf.serving import is_hf_source, load_hf_for_serving
+
+    if is_hf_source(path):
+        return load_hf_for_serving(path, dtype=dtype, device=device)
     mesh = None
     if tp > 1:
         from torsh_distributed.comm.dims import ParallelDims
@@ -108,7 +123,7 @@ def _load(
         "dtype": str(dtype or torch.float32).removeprefix("torch."),
         "context": config.block_size,
     }
-    return TextGenerator(model), model_info
+    return TextGenerator(model), model_info, PYTHON_COMMENTS
 
 
 def _until_signal(alive: Callable[[], bool]) -> signal.Signals | None:
@@ -166,9 +181,11 @@ def serve_checkpoint(
             )
     rank = world.rank() if tp > 1 else 0
     try:
-        generator, model_info = _load(path, tp=tp, dtype=dtype)
+        generator, model_info, template = _load(path, tp=tp, dtype=dtype)
         if rank == 0:
-            return _serve(generator, config, model_info, tp=tp, announce=announce or print)
+            return _serve(
+                generator, config, model_info, tp=tp, announce=announce or print, template=template
+            )
         return _follow(generator)
     finally:
         if owned:
@@ -182,8 +199,9 @@ def _serve(
     *,
     tp: int,
     announce: Callable[[str], None],
+    template: ChatTemplate = PYTHON_COMMENTS,
 ) -> int:
-    server = InferenceServer(generator, config, model_info=model_info)
+    server = InferenceServer(generator, config, model_info=model_info, chat_template=template)
     try:
         announce(
             f"torsh-dist serve: listening on {server.url} (checkpoint {model_info['checkpoint']}, "

@@ -13,7 +13,8 @@ import types
 
 import pytest
 
-HEAVY = ("torch", "numpy", "flwr", "ray", "dask", "distributed", "fastapi", "uvicorn", "transformers")
+HEAVY = ("torch", "numpy", "flwr", "ray", "dask", "distributed", "fastapi", "uvicorn", "transformers",
+         "mlflow", "tensorboard")
 """Top-level modules that the parser and its refusals must not load."""
 
 # Runs main() in a fresh interpreter, then reports the exit code and which HEAVY modules loaded.
@@ -77,8 +78,13 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
             ["generate", "--checkpoint", "runs/none", "--prompt", "a", "--top-p", "2"],
             "torsh-dist generate: error: sampling.top_p must be in (0, 1] (1 = off), got 2.0",
         ),
+        (
+            ["train", "--tensorboard", "runs/tb", "--experiment", "e"],
+            "torsh-dist train: error: monitor.experiment (--experiment e) names an MLflow experiment: "
+            "give --mlflow URI too (TensorBoard has no experiments: use --run-name)",
+        ),
     ],
-    ids=["train-nproc-0", "train-lr", "run-nproc-0", "generate-top-p"],
+    ids=["train-nproc-0", "train-lr", "run-nproc-0", "generate-top-p", "train-experiment"],
 )
 def test_refusal_is_one_line_and_imports_no_torch(argv: list[str], line: str):
     code, loaded, out, err = _run(*argv)

@@ -68,6 +68,7 @@ EXTRA = "pip install 'torsh-distributed[tracking]'"
 _MLFLOW_BATCH = 1000  # metrics per log_batch request (the REST API's limit)
 _MLFLOW_PARAMS = 100  # params per log_batch request
 _MLFLOW_PARAM_CHARS = 6000  # longest param value MLflow stores
+_BAD_KEY = re.compile(r"[^\w\-./: ]")  # what MLflow's name check refuses
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/@\s]*@")
 
 
@@ -215,10 +216,11 @@ class MLflowSink:
     The run is created by :meth:`start` (rank 0, when the monitor starts, so an unreachable
     server or an unknown URI scheme fails before the first step, within seconds) and ended by
     :meth:`close` as ``FINISHED``, or ``FAILED`` when training raised. Metrics go out
-    asynchronously (MLflow's own logging thread) with at most one aggregation's batch in flight:
-    training does not wait on the network, an error of the previous batch surfaces at the next
-    aggregation, and :meth:`close` waits for the last one. Params and artefacts are logged
-    synchronously.
+    asynchronously (MLflow's own logging thread), the batches of at most two aggregation windows
+    in flight: training does not wait on the network, an error of a batch surfaces one
+    aggregation later, and :meth:`close` waits for all of them. Params and artefacts are logged
+    synchronously. Characters MLflow refuses in a metric name (it takes letters, digits and
+    ``_ - . / :`` and spaces) become ``_``.
 
     Args:
         tracking_uri: Where the run goes: ``http://host:5000`` (an ``mlflow server``),
@@ -286,7 +288,9 @@ class MLflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        return [Metric(key, value, now, step) for step, values in records for key, value in values.items()]
+        return [
+            Metric(_BAD_KEY.sub("_", key), value, now, step) for step, values in records for key, value in values.items()
+        ]
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """The parameters (flattened, values as text cut at MLflow's 6000 characters, passwords
@@ -295,7 +299,7 @@ class MLflowSink:
             self.start()
         from mlflow.entities import Param
 
-        items = [Param(key, value[:_MLFLOW_PARAM_CHARS]) for key, value in params_text(params).items()]
+        items = [Param(_BAD_KEY.sub("_", k), v[:_MLFLOW_PARAM_CHARS]) for k, v in params_text(params).items()]
         for i in range(0, len(items), _MLFLOW_PARAMS):
             self._client.log_batch(self.run_id, params=items[i : i + _MLFLOW_PARAMS])
 

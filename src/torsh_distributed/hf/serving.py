@@ -111,6 +111,7 @@ def load_hf_for_serving(
         "step": step,
         "config": {"model_type": model.config.model_type, "vocab_size": model.config.vocab_size},
         "tokenizer": {"kind": "hf", "eos": getattr(tokenizer, "eos_token", None)},
+        "eos_id": getattr(tokenizer, "eos_token_id", None),
         "dtype": str(dtype or torch.float32).removeprefix("torch."),
         "context": adapter.max_seq_len,
     }

@@ -169,6 +169,15 @@ def plan_generate(job: GenerateJob) -> GenerateJob:
             :func:`~torsh_distributed.inference.load.find_checkpoint`); a prompt longer than
             the model's context; see :func:`check_model`.
     """
+    from torsh_distributed.hf.serving import is_hf_source
+
+    if is_hf_source(job.checkpoint):  # a Hugging Face directory or a --model hf: checkpoint
+        if job.tp > 1:
+            raise ValueError("tp > 1 decodes the built-in GPT; a Hugging Face model decodes with tp 1")
+        whole = (Path(job.checkpoint) / "config.json").is_file()
+        return dataclasses.replace(
+            job, checkpoint=job.checkpoint if whole else str(find_checkpoint(job.checkpoint))
+        )
     path = str(find_checkpoint(job.checkpoint))
     config, _ = read_gpt_config(path)
     check_model(config, tp=job.tp)
@@ -220,15 +229,30 @@ def run_generate(job: GenerateJob) -> GenerateReport | None:
                 f"tp={job.tp} needs a job of {job.tp} ranks, this one has {runtime.world_size}"
             )
         started = time.perf_counter()
-        model, _, info = load_for_job(
-            job.checkpoint,
-            dtype=job.dtype,
-            device=runtime.device,
-            tp=job.tp,
-            world_size=runtime.world_size,
-        )
+        from torsh_distributed.hf.serving import is_hf_source, load_hf_for_serving
+
+        sampling = job.sampling
+        if is_hf_source(job.checkpoint):
+            cast = None if job.dtype == "float32" else DTYPES[job.dtype]
+            generator, hf_info, _ = load_hf_for_serving(
+                job.checkpoint, dtype=cast, device=runtime.device
+            )
+            where, step = str(hf_info["checkpoint"]), int(hf_info["step"])
+            if hf_info["eos_id"] is not None:  # the model's end of sequence ends the completion
+                sampling = dataclasses.replace(
+                    sampling, stop_tokens=(*sampling.stop_tokens, int(hf_info["eos_id"]))
+                )
+        else:
+            model, _, info = load_for_job(
+                job.checkpoint,
+                dtype=job.dtype,
+                device=runtime.device,
+                tp=job.tp,
+                world_size=runtime.world_size,
+            )
+            generator, where, step = TextGenerator(model), str(info.path), info.step
         load_time = time.perf_counter() - started
-        [result] = TextGenerator(model).generate([job.prompt], job.sampling)
+        [result] = generator.generate([job.prompt], sampling)
     finally:
         if owned:
             world.shutdown()
@@ -236,8 +260,8 @@ def run_generate(job: GenerateJob) -> GenerateReport | None:
         return None
     assert result.text is not None
     report = GenerateReport(
-        checkpoint=str(info.path),
-        step=info.step,
+        checkpoint=where,
+        step=step,
         prompt=job.prompt,
         completion=result.text,
         tokens=result.tokens,

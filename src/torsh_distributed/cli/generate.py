@@ -188,7 +188,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--checkpoint",
         required=True,
         metavar="DIR",
-        help="a run's --checkpoint-dir (newest valid checkpoint) or a step dir",
+        help="a run's --checkpoint-dir (newest valid checkpoint) or a step dir; also a "
+        "Hugging Face model directory or a --model hf: run's checkpoint (--tp 1)",
     )
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     parser.add_argument(

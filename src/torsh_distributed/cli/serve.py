@@ -76,7 +76,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="DIR",
         help="a training run's --checkpoint-dir (its newest valid step) or one "
-        "step_XXXXXXXX directory",
+        "step_XXXXXXXX directory; also a Hugging Face model directory or a --model hf: run's "
+        "checkpoint (--tp 1, docs/huggingface.md)",
     )
     parser.add_argument(
         "--tp",

@@ -12,6 +12,8 @@ command -v slurmd >/dev/null 2>&1 || missing+=(slurmd)
 command -v srun >/dev/null 2>&1 || missing+=(slurm-client)
 command -v munged >/dev/null 2>&1 || missing+=(munge)
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+# federated over TLS (issue 43): a capture on the lab's link shows no plaintext
+command -v tcpdump >/dev/null 2>&1 || missing+=(tcpdump)
 [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(find /usr/lib/*/openmpi/include -name mpi.h 2>/dev/null | head -1)" ] || missing+=(libopenmpi-dev)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -86,6 +86,10 @@ def test_only_token_holders_reach_the_target(echo: int) -> None:
 def test_exposed_federation_and_remote_join_need_a_token(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="needs a shared token"):
         Federation(FederatedConfig(run_dir=str(tmp_path)), host="10.1.2.3")
+    with pytest.raises(ValueError, match="without TLS would carry weights and updates in the clear"):
+        Federation(FederatedConfig(run_dir=str(tmp_path)), host="10.1.2.3", token="x" * 20)
+    with pytest.raises(ValueError, match="without TLS would carry weights"):
+        join("10.1.2.3:9092", partition_id=0, num_partitions=2, token="x" * 20)
     with pytest.raises(ValueError, match="needs the federation's token"):
         join("10.1.2.3:9092", partition_id=0, num_partitions=2)
     with pytest.raises(ValueError, match="HOST:PORT"):

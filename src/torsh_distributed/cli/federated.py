@@ -39,6 +39,11 @@ examples:
   # ... and on each client host (the same token):
   torsh-dist federated-node --superlink 10.0.0.1:9092 --partition-id 0 --num-partitions 2 \
       --token-env TORSH_FL_TOKEN
+  # your own Strategy (MODULE:FUNCTION returning a Flower Strategy); clients evaluate too
+  torsh-dist federated --model m.py:net --dataset m.py:data --partition iid \
+      --strategy my_strategies.py:trimmed_mean --fraction-evaluate 1.0
+  # your own Flower app (ServerApp of yours, the engine's ClientApp) on 2 local SuperNodes
+  torsh-dist federated --clients 2 --app examples/flower_app --app-config 'num-server-rounds=3'
 """
 
 _ALIASES = {"client.nproc": "--client-nproc", "client.zero_stage": "--client-zero-stage"}
@@ -105,6 +110,8 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
     for key in ("model", "dataset", "val_dataset", "loss"):
         if task.get(key):
             task[key] = _absolute(task[key])
+    if ":" in data.get("strategy", ""):  # your own Strategy: MODULE:FUNCTION
+        data["strategy"] = _absolute(data["strategy"])
     if "partition" not in data and task.get("model"):
         data["partition"] = "iid"
     return FederatedConfig.from_dict(data)
@@ -160,6 +167,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      help="start no SuperNode here: clients join with torsh-dist federated-node")
     out.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                      help="stop the whole run after this many seconds (default 3600)")
+    out.add_argument("--app", metavar="DIR",
+                     help="run your own Flower app (its pyproject.toml names a ServerApp and a ClientApp, "
+                     "e.g. the engine's torsh_distributed.federated.apps:client_app) on the SuperLink and "
+                     "--clients SuperNodes started here; see examples/flower_app")
+    out.add_argument("--app-config", default="", metavar="'K=V ...'",
+                     help="with --app: overrides of the app's [tool.flwr.app.config] (flwr run --run-config)")
     _add_token_flags(out)
     from torsh_distributed.cli._config_file import add_config_file_arguments
 
@@ -176,16 +189,69 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node.add_argument("--num-partitions", type=int, required=True, help="number of clients of the run")
     node.add_argument("--host", default="127.0.0.1", help="address of this node's ClientApp API")
     node.add_argument("--port", type=int, default=0, help="its port (0 = a free one)")
-    _add_token_flags(node)
+    _add_token_flags(node, node=True)
     add_config_file_arguments(node)
     node.set_defaults(handler=node_main)
 
 
-def _add_token_flags(group: Any) -> None:
+def _add_token_flags(group: Any, *, node: bool = False) -> None:
     group.add_argument("--token-env", metavar="VAR",
                        help="environment variable holding the federation's shared token (required "
                        "when the SuperLink is exposed beyond loopback; nodes need the same)")
     group.add_argument("--token-file", metavar="FILE", help="file whose first line is the token (chmod 600)")
+    group.add_argument("--tls-ca", metavar="PEM",
+                       help="the federation's CA certificate: " + ("the head's certificate must be signed by it"
+                       if node else "nodes must present a certificate it signed (mutual TLS)"))
+    group.add_argument("--tls-cert", metavar="PEM", help=(
+        "this node's certificate (signed by the federation's CA)" if node else
+        "the head's certificate (signed by --tls-ca, valid for --superlink-host); without --tls-* an "
+        "exposed federation makes its own CA and node certificates in RUN_DIR/tls"))
+    group.add_argument("--tls-key", metavar="PEM", help="its private key (chmod 600)")
+    group.add_argument("--insecure", action="store_true",
+                       help="off loopback without TLS: weights and updates cross the network in the clear "
+                       "(the token is still proved, never sent)")
+
+
+def _tls(args: argparse.Namespace) -> Any:
+    from torsh_distributed.runtime.tls import tls_files
+
+    files = tls_files(args.tls_ca, args.tls_cert, args.tls_key)
+    if files is not None and args.insecure:
+        raise ValueError("give --tls-ca/--tls-cert/--tls-key or --insecure, not both")
+    return files
+
+
+def _quick_start_tls(config: FederatedConfig, host: str) -> Any:
+    """A CA for this federation in RUN_DIR/tls: the head's certificate for ``host`` (every
+    address of this machine for 0.0.0.0 / ::) and one certificate per client, with the lines
+    that say what to copy where."""
+    import ipaddress
+
+    from torsh_distributed.runtime.tls import quick_start
+
+    hosts = [host]
+    if _is_ip(host) and ipaddress.ip_address(host).is_unspecified:  # 0.0.0.0 / ::: every address here
+        import psutil
+
+        hosts = [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family.name in ("AF_INET", "AF_INET6")]  # fmt: skip
+    directory = Path(config.run_dir) / "tls"
+    server, clients = quick_start(directory, hosts=hosts, parties=[f"node-{i}" for i in range(config.clients)])
+    print(f"federated: TLS with a new CA for this federation: {server.ca}. Copy ca.pem, node-I.pem and "
+          f"node-I.key from {directory} to client I's host (the .key files are secrets) and start it with "
+          "torsh-dist federated-node ... --tls-ca ca.pem --tls-cert node-I.pem --tls-key node-I.key", flush=True)
+    del clients
+    return server
+
+
+def _is_ip(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _token(args: argparse.Namespace) -> str:
@@ -194,11 +260,43 @@ def _token(args: argparse.Namespace) -> str:
     return read_token(env=args.token_env, file=args.token_file) or ""
 
 
+def check_endpoint(host_flag: str, host: str, port_flag: str, port: int) -> None:
+    """A port in range and an address this host has (one line each, before any process or
+    directory is made).
+
+    Raises:
+        ValueError: the port is outside 0..65535, or the host does not resolve or is not one of
+            this machine's addresses.
+    """
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{port_flag} must be a TCP port in 0..65535 (0 = a free one), got {port}")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ValueError(f"{host_flag} {host}: not an address or a name that resolves ({reason})") from None
+    with socket.socket(family, kind) as probe:
+        try:
+            probe.bind((address[0], 0))
+        except OSError as exc:
+            raise ValueError(
+                f"{host_flag} {host}: this host has no such address to listen on ({exc.strerror}); "
+                "use 127.0.0.1, 0.0.0.0 or one of this machine's addresses"
+            ) from None
+
+
 def main(args: argparse.Namespace) -> int:
     from torsh_distributed.federated.deploy import Federation
     from torsh_distributed.federated.task import Task
 
+    check_endpoint("--superlink-host", args.superlink_host, "--superlink-port", args.superlink_port)
     config = config_from_args(args)
+    if config.user_strategy:  # import and call the factory: its errors come before any process
+        from torsh_distributed.federated.strategies import build_strategy
+
+        build_strategy(config)
     if config.secagg:  # the protocol's own limits, for the clients of a round
         from torsh_distributed.federated.secagg import check_secagg
 
@@ -216,17 +314,34 @@ def main(args: argparse.Namespace) -> int:
         task.client_data(0)
         if config.task.val_dataset:
             task.val_dataset()
-    federation = Federation(
+    tls = _tls(args)
+    from torsh_distributed.federated.deploy import _is_loopback
+
+    exposed = not _is_loopback(args.superlink_host)
+    if tls is not None and not exposed:
+        raise ValueError("--tls-* secure the relay of an exposed federation (--superlink-host not loopback); "
+                         "on loopback nothing leaves this host")
+    quick = exposed and tls is None and not args.insecure
+    federation = Federation(  # checks the host and the token before any file is written
         config, host=args.superlink_host, port=args.superlink_port, local_nodes=not args.remote_nodes,
-        token=_token(args),
+        token=_token(args), tls=tls, insecure=args.insecure or quick,
     )  # fmt: skip
+    if quick:  # TLS by default off loopback: this federation's own CA, made after those checks
+        federation.tls, federation.insecure = _quick_start_tls(config, args.superlink_host), False
+    app = Path(args.app) if args.app else None
+    if app is not None and not (app / "pyproject.toml").is_file():
+        raise ValueError(f"--app {args.app}: no pyproject.toml (a Flower app directory has one)")
+    if args.app_config and app is None:
+        raise ValueError("--app-config applies to --app DIR")
     with federation.running():
         if args.remote_nodes:
             where = federation.public_address
             print(f"federated: SuperLink at {where}; start {config.clients} nodes with "
                   f"torsh-dist federated-node --superlink {where} --partition-id I --num-partitions "
                   f"{config.clients}", flush=True)
-        code = federation.submit(timeout=args.timeout)
+        code = federation.submit(timeout=args.timeout, app=app, run_config=args.app_config)
+    if app is not None:  # the app writes its own results; ours are for our ServerApp
+        return code
     summary_path = federation.run_dir / "summary.json"
     if code != 0 or not summary_path.exists():
         print(f"torsh-dist federated: the run failed (flwr run exit {code}); logs in "
@@ -247,7 +362,9 @@ def main(args: argparse.Namespace) -> int:
 def node_main(args: argparse.Namespace) -> int:
     from torsh_distributed.federated.deploy import join
 
+    check_endpoint("--host", args.host, "--port", args.port)
+
     return join(
         args.superlink, partition_id=args.partition_id, num_partitions=args.num_partitions,
-        token=_token(args), host=args.host, port=args.port,
+        token=_token(args), host=args.host, port=args.port, tls=_tls(args), insecure=args.insecure,
     )  # fmt: skip

@@ -22,13 +22,21 @@ from flwr.serverapp import Grid, ServerApp
 from torsh_distributed.federated.config import FederatedConfig
 from torsh_distributed.federated.updates import ctx_key
 
-__all__ = ["client_app", "server_app"]
+__all__ = ["client_app", "engine_config", "server_app"]
 
 _CLIP = "clipping_norm"  # flwr.supercore.differential_privacy.KEY_CLIPPING_NORM
 _EF = "torsh-ef"  # this node's error-feedback residuals, kept across rounds by Flower
 
 client_app = ClientApp()
 server_app = ServerApp()
+
+
+def engine_config(config: FederatedConfig) -> ConfigRecord:
+    """The ``train_config``/``evaluate_config`` a ServerApp of your own sends so that
+    :data:`client_app` (the engine) trains and evaluates ``config``'s task and client settings:
+    ``strategy.start(grid=grid, initial_arrays=..., train_config=engine_config(cfg),
+    evaluate_config=engine_config(cfg))`` with any Flower strategy (docs/federated.md)."""
+    return ConfigRecord({"spec": config.to_json()})
 
 
 @client_app.train()
@@ -74,6 +82,25 @@ def _train(msg: Message, context: Context) -> Message:
     else:
         content["arrays"], content[ctx_key()] = _compress(config, method, global_state, state, context)
     return Message(content=content, reply_to=msg)
+
+
+@client_app.evaluate()
+def _evaluate(msg: Message, context: Context) -> Message:
+    """Client-side evaluation: the global model's loss (and accuracy) on this client's own data
+    (a fixed sample of at most 256 items), weighted by the items evaluated."""
+    from torsh_distributed.federated.client import node_partition
+    from torsh_distributed.federated.task import _EVAL_BATCH, _EVAL_BATCHES, Task, evaluate
+
+    config = FederatedConfig.from_dict(json.loads(str(msg.content["config"]["spec"])))
+    pid = node_partition(context.node_config, config.clients)
+    task = Task(config)
+    model = task.model()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    data = task.client_data(pid).dataset
+    metrics = evaluate(model, data, task.loss(), seed=config.seed)
+    count = min(len(data), _EVAL_BATCH * _EVAL_BATCHES)
+    record = MetricRecord({"weight": count, "num-examples": count, "partition-id": pid, **metrics})
+    return Message(content=RecordDict({"metrics": record}), reply_to=msg)
 
 
 def _clip(global_state: dict[str, torch.Tensor], state: dict[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:

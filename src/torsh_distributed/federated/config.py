@@ -110,9 +110,16 @@ class FederatedConfig:
     rounds: int = 3
     """Federated rounds to run (a resumed run continues to this number)."""
     strategy: str = "fedavg"
-    """fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm (Flower's strategies)."""
+    """fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm (Flower's strategies), or
+    MODULE:FUNCTION returning your own Flower ``Strategy`` (called with those of
+    ``fraction_train``, ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
+    ``min_available_nodes``, ``weighted_by_key`` it accepts)."""
     fraction: float = 1.0
     """Fraction of the connected clients sampled per round (at least ``min_clients``)."""
+    fraction_evaluate: float = 0.0
+    """Fraction of the clients that evaluate the new global model on their own data after each
+    round (Flower's client-side evaluation; per-client loss in ``rounds[].evaluate``); 0 = only
+    the server evaluates, on the held-out set."""
     min_clients: int = 1
     """A round needs this many answers by its deadline to update the model; fewer = the round
     is recorded as failed and the model is kept."""
@@ -196,12 +203,21 @@ class FederatedConfig:
     def __post_init__(self) -> None:
         for name in ("clients", "rounds", "min_clients", "round_timeout"):
             _positive("federated", name, getattr(self, name))
-        if self.strategy not in STRATEGIES:
+        if self.strategy not in STRATEGIES and not self.user_strategy:
             raise ValueError(
-                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
+                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)} "
+                "or MODULE:FUNCTION (your own Flower Strategy)"
             )
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"federated.fraction must be in (0, 1], got {self.fraction}")
+        if not 0.0 <= self.fraction_evaluate <= 1.0:
+            raise ValueError(f"federated.fraction_evaluate must be in [0, 1], got {self.fraction_evaluate}")
+        if self.fraction_evaluate and (self.privacy.enabled or self.regions):
+            raise ValueError(
+                "fraction_evaluate (client-side evaluation) does not combine with "
+                + ("DP: the accountant does not count the clients' evaluation results"
+                   if self.privacy.enabled else "regions: a regional aggregator holds no data to evaluate")
+            )
         if self.min_clients > self.clients:
             raise ValueError(
                 f"min_clients ({self.min_clients}) is more than the {self.clients} clients"
@@ -228,7 +244,8 @@ class FederatedConfig:
             if self.clients < 2:
                 raise ValueError("secure aggregation needs at least 2 clients (the sum of one update is that update)")
             for what, bad in (
-                (f"strategy {self.strategy} (secagg sums updates: fedavg or fedprox)", self.strategy not in ("fedavg", "fedprox")),
+                (f"strategy {self.strategy} (secagg sums masked updates itself: fedavg or fedprox; "
+                 "a strategy of your own never sees the clients' updates)", self.strategy not in ("fedavg", "fedprox")),
                 (f"compression {self.compression} (secagg quantises the updates itself)", self.compression != "none"),
                 ("DP noise (client-side clipping + server noise with secagg is not built)", self.privacy.enabled),
                 ("regions", bool(self.regions)),
@@ -255,6 +272,8 @@ class FederatedConfig:
         if self.privacy.enabled and self.strategy not in ("fedavg", "fedprox"):
             raise ValueError(
                 f"DP accounting needs a FedAvg-style aggregation (fedavg or fedprox), not {self.strategy}"
+                + (" (the accountant cannot bound what your own strategy does with the updates)"
+                   if self.user_strategy else "")
             )
         if self.client.zero_stage and self.strategy == "fedprox":
             raise ValueError("FedProx's proximal term needs DDP clients (client.zero_stage 0)")
@@ -265,6 +284,11 @@ class FederatedConfig:
                 raise ValueError(
                     f"partition {self.partition!r} needs class labels; the built-in corpus splits by package or iid"
                 )
+
+    @property
+    def user_strategy(self) -> bool:
+        """``strategy`` names the user's factory (MODULE:FUNCTION), not one of Flower's."""
+        return ":" in self.strategy
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
+from torsh_distributed.runtime.tls import TLSFiles
 
 __all__ = ["Federation", "free_port", "join", "supernode_command"]
 
@@ -135,15 +136,17 @@ def _is_loopback(host: str) -> bool:
 
 def join(
     superlink: str, *, partition_id: int, num_partitions: int, token: str = "", host: str = "127.0.0.1",
-    port: int = 0,
+    port: int = 0, tls: TLSFiles | None = None, insecure: bool = False,
 ) -> int:
     """Run client ``partition_id``'s SuperNode until it exits; returns its exit code.
 
     With a ``token`` (required when ``superlink`` is not on loopback) a client relay on this
-    host's loopback proves the token to the head's relay and carries the SuperNode's traffic.
+    host's loopback proves the token to the head's relay and carries the SuperNode's traffic;
+    over TLS (``tls``: the federation's CA, this node's certificate and key) unless ``insecure``.
 
     Raises:
-        ValueError: a malformed address, a remote head without a token, a bad partition id.
+        ValueError: a malformed address, a remote head without a token, or without TLS and
+            ``insecure``, a bad partition id.
     """
     head, sep, head_port = superlink.rpartition(":")
     if not sep or not head or not head_port.isdigit():
@@ -151,8 +154,14 @@ def join(
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"--partition-id {partition_id} is not in [0, {num_partitions})")
     relay = None
+    if token and tls is None and not insecure:
+        raise ValueError(
+            f"joining {superlink} without TLS would carry weights and updates in the clear: give the "
+            "federation's --tls-ca and this node's --tls-cert/--tls-key, or --insecure to accept that"
+        )
     if token:
-        relay = Relay(role="client", listen=("127.0.0.1", 0), target=(head, int(head_port)), token=token.encode())
+        relay = Relay(role="client", listen=("127.0.0.1", 0), target=(head, int(head_port)), token=token.encode(),
+                      tls=tls.client() if tls is not None else None)  # fmt: skip
         superlink = f"127.0.0.1:{relay.start().port}"
     elif not _is_loopback(head):
         raise ValueError(
@@ -200,6 +209,11 @@ class Federation:
             loopback; at least 16 characters).
         local_nodes: Start the SuperNodes here (False: they join from their hosts).
         echo: Receives the ServerApp's progress lines.
+        tls: The relay's TLS files (required when ``host`` is not loopback, unless
+            ``insecure``): it presents ``cert`` (valid for ``host``) and admits only nodes
+            presenting a certificate of ``ca`` (mutual TLS), then checks the token.
+        insecure: Exposed without TLS: the token is still proved (HMAC, never sent), but
+            weights and updates cross the network in the clear.
     """
 
     config: FederatedConfig
@@ -208,6 +222,8 @@ class Federation:
     echo: Callable[[str], None] = print
     port: int = 0
     token: str = field(default="", repr=False)
+    tls: TLSFiles | None = None
+    insecure: bool = False
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _logs: list[IO[bytes]] = field(default_factory=list)
     _link_port: int = 0
@@ -222,6 +238,12 @@ class Federation:
             raise ValueError(
                 f"exposing the federation on {self.host} needs a shared token (--token-env VAR or "
                 "--token-file FILE); the nodes join with the same token"
+            )
+        if not _is_loopback(self.host) and self.tls is None and not self.insecure:
+            raise ValueError(
+                f"exposing the federation on {self.host} without TLS would carry weights and updates in "
+                "the clear: give --tls-ca/--tls-cert/--tls-key (torsh-dist federated makes a CA when none "
+                "is given), or --insecure to accept that"
             )
 
     @property
@@ -264,7 +286,8 @@ class Federation:
             if exposed:
                 self._relay = Relay(
                     role="server", listen=(self.host, self.port), target=("127.0.0.1", self._link_port),
-                    token=self.token.encode(),
+                    token=self.token.encode(), tls=self.tls.server() if self.tls is not None else None,
+                    report=self.echo,
                 ).start()  # fmt: skip
             if self.local_nodes and self.config.regions:
                 self.start_regions()
@@ -311,29 +334,45 @@ class Federation:
         _wait_port("127.0.0.1", port, proc, what=name, timeout=60)
         return port
 
-    def submit(self, *, timeout: float) -> int:
+    def submit(self, *, timeout: float, app: Path | None = None, run_config: str = "") -> int:
         """Submit the run and stream it until it ends; returns ``flwr run``'s exit code.
+
+        Args:
+            timeout: Seconds the whole run may take.
+            app: Your own Flower app directory (its ``pyproject.toml`` names its ``ServerApp``
+                and a ``ClientApp``, e.g. the engine's ``torsh_distributed.federated.apps:
+                client_app``) instead of this run's; its output is echoed line by line.
+            run_config: ``flwr run --run-config`` overrides of ``app``'s config (``k=v ...``).
 
         Raises:
             TimeoutError: the run did not end within ``timeout`` seconds (it is stopped).
         """
         flwr = self.run_dir / "flwr"
-        app = flwr / "app"
-        app.mkdir(parents=True, exist_ok=True)
-        pyproject = _APP_PYPROJECT
-        if self.config.secagg:  # the clients answer SecAgg+'s stages (secaggplus_mod)
-            pyproject = pyproject.replace(_CLIENT_COMPONENT, _SECAGG_CLIENT_COMPONENT)
-        (app / "pyproject.toml").write_text(pyproject)
         home = flwr / "home"
-        home.mkdir(exist_ok=True)
+        if app is None:
+            app = flwr / "app"
+            app.mkdir(parents=True, exist_ok=True)
+            pyproject = _APP_PYPROJECT
+            if self.config.secagg:  # the clients answer SecAgg+'s stages (secaggplus_mod)
+                pyproject = pyproject.replace(_CLIENT_COMPONENT, _SECAGG_CLIENT_COMPONENT)
+            (app / "pyproject.toml").write_text(pyproject)
+            spec = self.run_dir / "spec.json"
+            spec.write_text(self.config.to_json())
+            run_config = f'spec="{spec}"'
+            own = False
+        else:
+            app, own = Path(app).resolve(), True
+            if not (app / "pyproject.toml").is_file():
+                raise ValueError(f"--app {app}: no pyproject.toml (a Flower app directory has one)")
+        home.mkdir(parents=True, exist_ok=True)
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "torsh"\n\n[superlink.torsh]\naddress = "{self.address}"\n'
             "insecure = true\n"
         )
-        spec = self.run_dir / "spec.json"
-        spec.write_text(self.config.to_json())
         env = _env(home)
-        cmd = [_bin("flwr"), "run", str(app), "torsh", "--stream", "--run-config", f'spec="{spec}"']
+        cmd = [_bin("flwr"), "run", str(app), "torsh", "--stream"]
+        if run_config:
+            cmd += ["--run-config", run_config]
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / "logs" / "flwr-run.log").open("ab")
         self._logs.append(log)
@@ -353,8 +392,8 @@ class Federation:
                 run_id = found.group(1)
             at = line.find("federated:")
             text = line[at:] if at >= 0 else ""
-            if text.startswith("federated:") or "Traceback" in line or "Error" in line:
-                self.echo(text or line)
+            if own or text.startswith("federated:") or "Traceback" in line or "Error" in line:
+                self.echo(line if own else text or line)
             if time.monotonic() > deadline:
                 break
         try:

@@ -284,11 +284,46 @@ class RoundLoop:
         }  # fmt: skip
         if "accuracy" in val:
             record["accuracy"] = val["accuracy"]
+        client_eval = self._client_evaluate(server_round, arrays)
+        if client_eval is not None:
+            record["evaluate"] = client_eval
         if res.errors:
             record["errors"] = res.errors[:5]
         self.log(_round_line(cfg, record))
         self.hooks.on_round(record)
         return arrays, record
+
+    def _client_evaluate(self, server_round: int, arrays: Any) -> dict[str, Any] | None:
+        """Flower's client-side evaluation of the new global model (``fraction_evaluate`` > 0):
+        the strategy samples the clients and aggregates their metrics; each client's row kept."""
+        cfg = self.config
+        if not cfg.fraction_evaluate:
+            return None
+        from flwr.app import ConfigRecord
+
+        config = ConfigRecord({"spec": cfg.to_json()})
+        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, self.grid))
+        if not messages:
+            return None
+        replies, _ = self._exchange(messages, timeout=cfg.round_timeout)
+        ok = [m for m in replies if not m.has_error()]
+        clients = []
+        for m in ok:
+            row = {"partition_id": int(_metric(m, "partition-id", -1)), "examples": int(_metric(m, "num-examples")),
+                   "loss": _metric(m, "loss")}  # fmt: skip
+            if "accuracy" in m.content["metrics"]:
+                row["accuracy"] = _metric(m, "accuracy")
+            clients.append(row)
+        out: dict[str, Any] = {"sampled": len(messages), "answered": len(ok),
+                               "clients": sorted(clients, key=lambda c: c["partition_id"])}  # fmt: skip
+        aggregated = self.strategy.aggregate_evaluate(server_round, ok) if ok else None
+        if aggregated:  # the strategy's own aggregate (FedAvg: the example-weighted means)
+            out.update({k: float(v) for k, v in aggregated.items()
+                        if k not in ("partition-id", "num-examples", "weight")})  # fmt: skip
+        errors = [m.error.reason for m in replies if m.has_error()]
+        if errors:
+            out["errors"] = errors[:5]
+        return out
 
     def _exchange(self, messages: list[Any], *, timeout: float) -> tuple[list[Any], dict[int, float]]:
         """Send the round's messages and collect replies until all arrived or ``timeout``; also
@@ -369,6 +404,9 @@ class RoundLoop:
         }
         if "accuracy" in val:
             record["accuracy"] = val["accuracy"]
+        client_eval = self._client_evaluate(server_round, arrays)
+        if client_eval is not None:
+            record["evaluate"] = client_eval
         if errors:
             record["errors"] = errors[:5]
         self.log(_round_line(cfg, record))
@@ -405,6 +443,9 @@ def _round_line(cfg: FederatedConfig, r: dict[str, Any]) -> str:
     parts.append(f"loss {r['loss']:.4f}" if r["loss"] == r["loss"] else "loss n/a")
     if "accuracy" in r:
         parts.append(f"acc {r['accuracy']:.3f}")
+    if "loss" in r.get("evaluate", {}):
+        ev = r["evaluate"]
+        parts.append(f"client eval loss {ev['loss']:.4f} ({ev['answered']}/{ev['sampled']})")
     parts.append(f"clients {r['answered']}/{r['sampled']}")
     if r["failed"]:
         parts.append(f"FAILED (< min_clients {cfg.min_clients}: model kept)")

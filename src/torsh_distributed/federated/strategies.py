@@ -16,7 +16,7 @@ import torch
 
 from torsh_distributed.federated.config import FederatedConfig
 
-__all__ = ["build_strategy", "load_strategy_state", "strategy_state"]
+__all__ = ["build_strategy", "load_strategy_state", "strategy_state", "user_strategy"]
 
 _STATE_ATTRS = ("m_t", "v_t", "momentum_vector")
 
@@ -28,13 +28,15 @@ def build_strategy(config: FederatedConfig) -> Any:
 
     common: dict[str, Any] = {
         "fraction_train": config.fraction,
-        "fraction_evaluate": 0.0,  # the server evaluates the global model itself
+        "fraction_evaluate": config.fraction_evaluate,  # 0: only the server evaluates
         "min_train_nodes": config.min_clients,
-        "min_evaluate_nodes": 0,
+        "min_evaluate_nodes": 1 if config.fraction_evaluate else 0,
         "min_available_nodes": config.min_clients,
         "weighted_by_key": "weight",  # the sample count; 1 for every client under DP
     }
     name = config.strategy
+    if config.user_strategy:
+        return user_strategy(name, common)
     if name == "fedavg":
         return fl.FedAvg(**common)
     if name == "fedprox":
@@ -49,6 +51,40 @@ def build_strategy(config: FederatedConfig) -> Any:
     if name == "fedadagrad":
         return fl.FedAdagrad(**common, **opt)
     raise ValueError(f"unknown strategy {name!r}")  # FederatedConfig refuses it first
+
+
+def user_strategy(spec: str, settings: dict[str, Any]) -> Any:
+    """The Flower ``Strategy`` the user's factory ``spec`` (MODULE:FUNCTION) returns, called with
+    those of ``settings`` its signature names (all of them with ``**kwargs``).
+
+    Raises:
+        ValueError: the factory cannot be loaded, raises, or returns no Flower ``Strategy``.
+    """
+    import inspect
+
+    from flwr.serverapp.strategy import Strategy
+
+    from torsh_distributed.engine.user import _callable
+
+    factory = _callable(spec, what="strategy")
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: call it bare
+        params = {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = dict(settings)
+    else:
+        kwargs = {k: v for k, v in settings.items() if k in params}
+    try:
+        strategy = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's factory failed: one line, not a trace
+        raise ValueError(f"--strategy {spec} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(strategy, Strategy):
+        raise ValueError(
+            f"--strategy {spec} returned {type(strategy).__name__}, not a Flower Strategy "
+            "(flwr.serverapp.strategy.Strategy, e.g. a FedAvg subclass)"
+        )
+    return strategy
 
 
 def _to_tensors(value: Any) -> Any:

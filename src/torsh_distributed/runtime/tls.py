@@ -21,7 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CertificateAuthority", "client_context", "issue", "make_ca", "server_context"]
+__all__ = [
+    "CertificateAuthority", "TLSFiles", "client_context", "issue", "make_ca", "quick_start", "server_context",
+    "tls_files",
+]
 
 _DAYS = 365
 
@@ -227,3 +230,67 @@ def issue(
         _write(out / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM), private=False),
         _write(out / f"{name}.key", key_pem, private=True),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """One party's PEM files: the CA it trusts and the certificate and key it presents."""
+
+    ca: Path
+    """The CA certificate: peers must present certificates it signed."""
+    cert: Path
+    """This party's certificate (signed by ``ca``; a server's lists the addresses it is reached at)."""
+    key: Path
+    """Its private key (``chmod 600``)."""
+
+    def server(self) -> ssl.SSLContext:
+        """The server side: presents ``cert``, requires a client certificate ``ca`` signed."""
+        return server_context(self.cert, self.key, ca=self.ca)
+
+    def client(self) -> ssl.SSLContext:
+        """The client side: trusts only ``ca`` (addresses checked), presents ``cert``."""
+        return client_context(self.ca, cert=self.cert, key=self.key)
+
+
+def tls_files(
+    ca: str | os.PathLike[str] | None,
+    cert: str | os.PathLike[str] | None,
+    key: str | os.PathLike[str] | None,
+    *,
+    flags: tuple[str, str, str] = ("--tls-ca", "--tls-cert", "--tls-key"),
+) -> TLSFiles | None:
+    """The files of ``--tls-ca/--tls-cert/--tls-key`` (all three or none), each readable.
+
+    Raises:
+        ValueError: some given and not all; FileNotFoundError: a file is missing.
+    """
+    given = [v for v in (ca, cert, key) if v]
+    if not given:
+        return None
+    if len(given) != 3:
+        raise ValueError(f"give {', '.join(flags[:2])} and {flags[2]} together (the CA you trust, your "
+                         "certificate and its key)")
+    assert ca and cert and key
+    return TLSFiles(ca=Path(_readable(ca, flags[0])), cert=Path(_readable(cert, flags[1])),
+                    key=Path(_readable(key, flags[2])))  # fmt: skip
+
+
+def quick_start(
+    directory: str | os.PathLike[str], *, hosts: Sequence[str], parties: Sequence[str]
+) -> tuple[TLSFiles, dict[str, TLSFiles]]:
+    """A new CA in ``directory`` with a server certificate for ``hosts`` and one client
+    certificate per name of ``parties``: the quick start of a federation over TLS (each
+    party's ``ca.pem``, ``<name>.pem`` and ``<name>.key`` are copied to its host).
+
+    Raises:
+        ImportError: ``cryptography`` is not installed.
+    """
+    out = Path(directory)
+    ca = make_ca(out, name=f"torsh-distributed federation CA ({out.resolve().name})")
+    cert, key = issue(ca, out, name="server", hosts=hosts)
+    server = TLSFiles(ca=ca.cert, cert=cert, key=key)
+    clients = {}
+    for name in parties:
+        c_cert, c_key = issue(ca, out, name=name)
+        clients[name] = TLSFiles(ca=ca.cert, cert=c_cert, key=c_key)
+    return server, clients

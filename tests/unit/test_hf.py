@@ -130,6 +130,9 @@ def test_hf_inputs_that_do_not_fit_together_are_refused(tiny: Path, tmp_path: Pa
     with pytest.raises(ValueError, match="not a save_pretrained directory"):
         UserFactories(model=f"hf:{tmp_path}", dataset=data).check(config)
     UserFactories(model=f"hf:{tiny / 'config.json'}", dataset=data, loss="hf").check(config)
+    config.parallel.tp, config.parallel.sequence_parallel = 2, True
+    with pytest.raises(ValueError, match="translated without sequence parallelism"):
+        UserFactories(model=f"hf:{tiny}", dataset=data).check(config)
 
 
 def test_cached_decoding_of_a_transformers_model_equals_its_forward(tiny: Path):

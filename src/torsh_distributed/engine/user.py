@@ -222,6 +222,11 @@ class UserFactories:
             self._dataset(self.val_dataset, "val-dataset")
         self._loss()
         par = config.parallel
+        if hf is not None and par.sequence_parallel and not self.tp_plan:
+            raise ValueError(
+                "--sequence-parallel: a Hugging Face model's own TP plan is translated without "
+                "sequence parallelism; give --tp-plan MODULE:FUNCTION with sequence styles"
+            )
         if par.tp > 1:
             plan = self.plan()
             if plan is None:

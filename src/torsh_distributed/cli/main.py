@@ -23,6 +23,7 @@ _COMMANDS = {
     "serve": "torsh_distributed.cli.serve",
     "slurm": "torsh_distributed.cli.slurm",
     "energy": "torsh_distributed.cli.energy",
+    "doctor": "torsh_distributed.cli.doctor",
     "federated": "torsh_distributed.cli.federated",
     "federated-node": "torsh_distributed.cli.federated",  # registered with federated
 }

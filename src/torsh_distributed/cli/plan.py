@@ -180,9 +180,10 @@ def _stage(text: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``plan`` with its ``memory`` and ``strategy`` subcommands."""
+    """Add ``plan`` with its ``memory``, ``strategy`` and ``simulate`` subcommands."""
     plan = sub.add_parser(
-        "plan", help="plan a run before launching it (memory per rank, parallel strategy)"
+        "plan",
+        help="plan a run before launching it (memory per rank, parallel strategy, step simulation)",
     )
     plan_sub = plan.add_subparsers(dest="plan_command", metavar="WHAT")
     plan_sub.required = True
@@ -246,6 +247,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--ac", type=_ac, default="none", help="activation checkpointing: none, full, every-K"
     )
     parser.set_defaults(handler=_handle)
+    from torsh_distributed.cli.plan_simulate import add_simulate
     from torsh_distributed.cli.plan_strategy import add_strategy
 
     add_strategy(plan_sub)
+    add_simulate(plan_sub)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import Any
 
 from torsh_distributed.plan.memory import DTYPES, OPTIMIZERS, format_bytes
 from torsh_distributed.plan.profile import Profile
@@ -20,7 +21,15 @@ from torsh_distributed.plan.strategy import (
     plan_strategy,
 )
 
-__all__ = ["add_strategy", "parse_size", "parse_rate"]
+__all__ = [
+    "add_model_and_cluster",
+    "add_simulate_flags",
+    "add_strategy",
+    "config",
+    "layout_options",
+    "parse_rate",
+    "parse_size",
+]
 
 _EPILOG = """\
 examples:
@@ -100,7 +109,8 @@ def _profile(path: str | None) -> Profile | None:
         raise ValueError(f"--profile {path}: {exc}") from None
 
 
-def _config(args: argparse.Namespace) -> StrategyConfig:
+def config(args: argparse.Namespace) -> StrategyConfig:
+    """The :class:`StrategyConfig` of parsed ``plan strategy`` (or ``plan simulate``) flags."""
     return StrategyConfig(
         params=args.params,
         layers=args.layers,
@@ -176,30 +186,113 @@ def _print(plan: StrategyPlan, top: int) -> None:
         )
 
 
+def _simulated(plan: StrategyPlan, args: argparse.Namespace) -> list[dict[str, object]]:
+    """``--simulate``: the planner's best candidates re-ranked by the step simulator."""
+    from torsh_distributed.plan.simulate import rank_by_simulation
+
+    ranked = rank_by_simulation(plan, top=args.simulate_top, **layout_options(args))
+    rows = []
+    for i, (cand, res) in enumerate(ranked, 1):
+        out = res.to_dict()
+        del out["critical_path"]
+        rows.append(
+            {
+                "rank": i,
+                "name": cand.name(),
+                "planner_rank": cand.rank,
+                "analytic_step_s": cand.step_time,
+                "fits": res.memory["total"] <= plan.config.device_memory,
+                **out,
+            }
+        )
+    return rows
+
+
 def _handle(args: argparse.Namespace) -> int:
-    plan = plan_strategy(_config(args))
+    plan = plan_strategy(config(args))
+    simulated = _simulated(plan, args) if args.simulate else None
     if args.json:
-        print(json.dumps(plan.to_dict(top=args.top), indent=2))
-    else:
-        _print(plan, args.top)
+        out = plan.to_dict(top=args.top)
+        if simulated is not None:
+            out["simulated"] = simulated
+        print(json.dumps(out, indent=2))
+        return 0
+    _print(plan, args.top)
+    if simulated is not None:
+        print(f"ranked by the step simulator (the planner's {len(simulated)} best fitting):")
+        print(
+            "| rank | layout | micro-batch x n | recompute | memory/device | simulated step (s) "
+            "| TFLOP/s/device | MFU | analytic step (s) | planner rank |"
+        )
+        print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
+        for row in simulated:
+            lay = row["layout"]
+            print(
+                f"| {row['rank']} | {row['name']} | {lay['micro_batch']} x {lay['microbatches']} "
+                f"| {lay['recompute']} | {row['memory_per_device_gb']:.1f} GB"
+                f"{'' if row['fits'] else ' (does not fit)'} | {row['step_s']:.4g} "
+                f"| {row['tflops_per_device']:.1f} | {row['mfu']:.1%} "
+                f"| {row['analytic_step_s']:.4g} | {row['planner_rank']} |"
+            )
     return 0
 
 
-def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
-    """Add ``plan strategy`` to the ``plan`` command's subparsers."""
-    p = plan_sub.add_parser(
-        "strategy",
-        help="recommend dp/tp/pp/ep, ZeRO stage, micro-batch and lr rule for a model and cluster",
-        description=(
-            "Enumerates every layout the constraints allow (dp*tp*pp*ep = devices, tp inside a "
-            "node dividing the heads, pp dividing the layers, the global batch divisible by the "
-            "replicas' micro-batches), predicts memory per device (ZeRO formulas, activations) "
-            "and step time (compute, tp/ep/pp/dp communication by an alpha-beta ring model, "
-            "pipeline bubble) and ranks them; see docs/planner.md."
-        ),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def add_simulate_flags(group: argparse._ArgumentGroup) -> None:
+    """How a layout runs (shared by ``plan simulate`` and ``plan strategy --simulate``)."""
+    group.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved"),
+        default="1f1b",
+        help="pipeline schedule (1f1b; --interleave V > 1 implies interleaved)",
     )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="norms/dropout sharded over tp; all-reduce -> reduce-scatter + all-gather",
+    )
+    group.add_argument(
+        "--dp-overlap",
+        action="store_true",
+        help="reduce gradient buckets during the last backward (DDP); default after it",
+    )
+    group.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket, MB (25)")
+    group.add_argument(
+        "--no-fsdp-prefetch",
+        dest="fsdp_prefetch",
+        action="store_false",
+        help="ZeRO-3: gather each layer only when it is needed",
+    )
+    group.add_argument("--ffn-hidden", type=int, default=0, help="MLP width (default 4 x --hidden)")
+    group.add_argument(
+        "--topology",
+        choices=("rail", "fat-tree"),
+        default="rail",
+        help="between nodes: rail-optimised (default) or fat-tree with --oversubscription",
+    )
+    group.add_argument(
+        "--oversubscription", type=float, default=1.0, help="fat-tree oversubscription (1)"
+    )
+
+
+def layout_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~torsh_distributed.plan.simulate.SimLayout` fields common to all layouts."""
+    return {
+        "schedule": args.schedule,
+        "sequence_parallel": args.sequence_parallel,
+        "dp_overlap": args.dp_overlap,
+        "bucket_mb": args.bucket_mb,
+        "fsdp_prefetch": args.fsdp_prefetch,
+        "ffn_hidden": args.ffn_hidden,
+        "topology": args.topology,
+        "oversubscription": args.oversubscription,
+    }
+
+
+def add_model_and_cluster(
+    p: argparse.ArgumentParser,
+) -> tuple[argparse._ArgumentGroup, argparse._ArgumentGroup]:
+    """The model, cluster and training flags ``plan strategy`` and ``plan simulate`` share;
+    returns the cluster and training groups for each command's own flags."""
     m = p.add_argument_group("model")
     m.add_argument("--params", type=float, required=True, help="parameters (e.g. 175e9)")
     m.add_argument("--layers", type=int, required=True, help="transformer layers")
@@ -240,19 +333,7 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
         "--device",
         choices=(*DEVICE_PEAK_FLOPS, "cpu"),
         default="a100",
-        help="device kind for the default FLOP rate (a100)",
-    )
-    c.add_argument(
-        "--device-flops",
-        type=float,
-        default=0.0,
-        help="achieved FLOP/s per device (default: the kind's peak x --mfu)",
-    )
-    c.add_argument("--mfu", type=float, default=0.5, help="achieved fraction of peak (0.5)")
-    c.add_argument(
-        "--profile",
-        metavar="FILE",
-        help="measured profile (JSON) of this model on the target machine; see docs/planner.md",
+        help="device kind: its peak FLOP/s and memory bandwidth (a100)",
     )
     c.add_argument(
         "--reserve",
@@ -267,17 +348,53 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
     t.add_argument("--dtype", choices=DTYPES, default="bf16", help="bf16 (default), fp16, fp32")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="adam (default), sgd")
     t.add_argument(
+        "--layout",
+        choices=("paper", "fsdp2"),
+        default="paper",
+        help="paper (ZeRO paper/DeepSpeed) or fsdp2 (this package) accounting",
+    )
+    t.add_argument(
+        "--pp-scatter-gather",
+        action="store_true",
+        help="pipeline sends split over tp ranks (Megatron-LM 2021, section 4.1)",
+    )
+    return c, t
+
+
+def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
+    """Add ``plan strategy`` to the ``plan`` command's subparsers."""
+    p = plan_sub.add_parser(
+        "strategy",
+        help="recommend dp/tp/pp/ep, ZeRO stage, micro-batch and lr rule for a model and cluster",
+        description=(
+            "Enumerates every layout the constraints allow (dp*tp*pp*ep = devices, tp inside a "
+            "node dividing the heads, pp dividing the layers, the global batch divisible by the "
+            "replicas' micro-batches), predicts memory per device (ZeRO formulas, activations) "
+            "and step time (compute, tp/ep/pp/dp communication by an alpha-beta ring model, "
+            "pipeline bubble) and ranks them; see docs/planner.md."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c, t = add_model_and_cluster(p)
+    c.add_argument(
+        "--device-flops",
+        type=float,
+        default=0.0,
+        help="achieved FLOP/s per device (default: the kind's peak x --mfu)",
+    )
+    c.add_argument("--mfu", type=float, default=0.5, help="achieved fraction of peak (0.5)")
+    c.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="measured profile (JSON) of this model on the target machine; see docs/planner.md",
+    )
+    t.add_argument(
         "--activation-checkpointing",
         "--ac",
         choices=("auto", "none", "full"),
         default="auto",
         help="auto: recompute only where needed to fit",
-    )
-    t.add_argument(
-        "--layout",
-        choices=("paper", "fsdp2"),
-        default="paper",
-        help="paper (ZeRO paper/DeepSpeed) or fsdp2 (this package) accounting",
     )
     t.add_argument("--max-micro-batch", type=int, default=64, help="largest micro-batch (64)")
     t.add_argument("--tp", type=int, default=0, help="pin tensor parallelism (0 = search)")
@@ -289,11 +406,6 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
         default=(0, 1, 2, 3),
         help="ZeRO stages to consider: 0..3 (default), 0,1,2, ...",
     )
-    t.add_argument(
-        "--pp-scatter-gather",
-        action="store_true",
-        help="pipeline sends split over tp ranks (Megatron-LM 2021, section 4.1)",
-    )
     r = p.add_argument_group("learning rate")
     r.add_argument(
         "--ref-batch",
@@ -303,6 +415,16 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument("--ref-lr", type=float, help="the tuned lr (to print the scaled one)")
     r.add_argument("--ref-warmup-steps", type=int, default=0, help="the tuned run's warm-up")
+    sim = p.add_argument_group("simulation (plan strategy --simulate)")
+    sim.add_argument(
+        "--simulate",
+        action="store_true",
+        help="re-rank the best fitting layouts by the step simulator (see plan simulate)",
+    )
+    sim.add_argument(
+        "--simulate-top", type=int, default=20, help="layouts to simulate, in planner order (20)"
+    )
+    add_simulate_flags(sim)
     p.add_argument("--top", type=int, default=10, help="rows of the table (10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_handle)

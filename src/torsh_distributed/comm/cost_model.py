@@ -4,6 +4,8 @@ A message of ``n`` bytes over a link costs ``alpha + n * beta``. :func:`probe` m
 beta for the two link classes of a job (inside a node and between nodes) with timed ping-pongs;
 :meth:`CostModel.choose` predicts each algorithm's all-reduce time from them and picks the
 fastest. Every decision is kept (``CostModel.decisions``) and the first of each kind is logged.
+Torch is imported only by :func:`probe_link`, so the planners (``plan simulate``) reuse the model
+without it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,6 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
 
 __all__ = ["LinkCost", "Decision", "CostModel", "probe_link", "NATIVE_DISCOUNT"]
 
@@ -146,6 +145,9 @@ def probe_link(
     """
     if a == b:
         return None
+    import torch
+    import torch.distributed as dist
+
     me = dist.get_rank()
     result = torch.zeros(2, dtype=torch.float64)
     if me in (a, b):

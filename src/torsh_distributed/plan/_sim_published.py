@@ -1,0 +1,277 @@
+"""Published large training runs: the simulator's calibration and validation data, with sources.
+
+Each :class:`PublishedRun` holds what a paper states (model shape, batch, devices, layout,
+per-GPU TFLOP/s) and, in ``assumed``, what it does not and we had to choose. Per-GPU TFLOP/s
+are the papers' own, all computed with Megatron-LM's FLOP count including the recomputed
+forward (Narayanan et al. 2021, eq. 3), which :class:`~.simulate.SimResult` also reports.
+
+:data:`CALIBRATION` names the (at most two) rows the device model's two free parameters
+(``gemm_eff``, ``mem_eff``) are fitted on; :func:`calibrate` refits them and
+``_sim_device.CALIBRATED`` holds the result; every other row is a prediction (:func:`validate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torsh_distributed.plan._strategy_config import StrategyConfig
+    from torsh_distributed.plan.simulate import SimLayout, SimResult
+
+__all__ = ["CALIBRATION", "RUNS", "PublishedRun", "calibrate", "predict", "validate"]
+
+_MEGATRON = (
+    "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
+    "Megatron-LM, SC '21 (arXiv:2104.04473), Table 1"
+)
+_SELENE = (
+    "Selene: DGX A100 80GB, 8 GPUs per node on NVSwitch (300 GB/s per direction), 8 HDR "
+    "InfiniBand 200 Gb/s NICs per node (paper, section 5)"
+)
+_MEGATRON_ASSUMED = (
+    "micro-batch not published (the simulator's fastest fitting choice of 1, 2, 4, 8); "
+    "non-interleaved 1F1B; full recomputation (the paper's FLOP count includes it); "
+    "scatter/gather of pipeline sends (section 4.1); gradients all-reduced after the pipeline "
+    "flush, not overlapped; fp16 mixed precision as 2-byte gradients"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedRun:
+    """One published run: inputs, layout and the per-GPU TFLOP/s it reached."""
+
+    name: str
+    source: str
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    global_batch: int
+    devices: int
+    tp: int
+    pp: int
+    tflops: float
+    """Published achieved TFLOP/s per GPU."""
+    seq_len: int = 2048
+    vocab: int = 51200
+    device: str = "a100"
+    device_memory: float = 80e9
+    devices_per_node: int = 8
+    intra_bw: float = 300e9
+    inter_bw: float = 1600e9 / 8
+    micro_batch: int = 0
+    """0 = not published (the simulator picks its fastest fitting micro-batch of 1, 2, 4, 8)."""
+    zero_stage: int = 0
+    recompute: str = "full"
+    interleave: int = 1
+    cluster: str = _SELENE
+    assumed: str = _MEGATRON_ASSUMED
+
+    def config(self) -> StrategyConfig:
+        from torsh_distributed.plan._strategy_config import StrategyConfig
+
+        return StrategyConfig(
+            params=self.params,
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            devices=self.devices,
+            nodes=self.devices // self.devices_per_node,
+            device_memory=self.device_memory,
+            intra_bw=self.intra_bw,
+            inter_bw=self.inter_bw,
+            seq_len=self.seq_len,
+            vocab=self.vocab,
+            global_batch=self.global_batch,
+            device=self.device,
+            flash_attention=False,
+            dropout=True,
+            pp_scatter_gather=True,
+        )
+
+    def layout(self, micro_batch: int) -> SimLayout:
+        from torsh_distributed.plan.simulate import SimLayout
+
+        return SimLayout(
+            tp=self.tp,
+            pp=self.pp,
+            zero_stage=self.zero_stage,
+            micro_batch=micro_batch,
+            recompute=self.recompute,
+            interleave=self.interleave,
+        )
+
+
+def _megatron(
+    params: float,
+    heads: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+) -> PublishedRun:
+    return PublishedRun(
+        name=f"Megatron-LM {params:g}B",
+        source=_MEGATRON,
+        params=params * 1e9,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        global_batch=batch,
+        devices=gpus,
+        tp=tp,
+        pp=pp,
+        tflops=tflops,
+    )
+
+
+_MTNLG = (
+    "Smith et al., Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B "
+    "(arXiv:2201.11990), section 2.4: iteration 60.1 / 50.2 / 44.4 s at batch 1920"
+)
+_MTNLG_ASSUMED = (
+    "micro-batch 1; ZeRO-1 (DeepSpeed's data parallelism) assumed; full recomputation (the "
+    "published TFLOP/s match Megatron's count with it); the vocabulary 50272 (GPT-2's, padded); "
+    "Selene's network as for Megatron-LM"
+)
+_BLOOM = (
+    "BigScience, BLOOM: A 176B-Parameter Open-Access Multilingual Language Model "
+    "(arXiv:2211.05100), section 3.4, and the BigScience 176B training page "
+    "(bigscience.notion.site): 'training throughput: about 150 TFLOPs'"
+)
+_BLOOM_ASSUMED = (
+    "full recomputation (Megatron-DeepSpeed's --checkpoint-activations) assumed; Jean Zay's "
+    "A100 nodes taken as 300 GB/s NVLink per GPU (not stated as NVSwitch); 4 Omni-Path 100 Gb/s "
+    "per node = 400 Gb/s; 'about 150' taken as 150"
+)
+
+RUNS: tuple[PublishedRun, ...] = (
+    _megatron(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    _megatron(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    _megatron(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    _megatron(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    _megatron(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    _megatron(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    _megatron(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    _megatron(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    _megatron(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    _megatron(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    *(
+        PublishedRun(
+            name=f"MT-NLG 530B, {gpus} GPUs",
+            source=_MTNLG,
+            params=530e9,
+            layers=105,
+            hidden=20480,
+            heads=128,
+            vocab=50272,
+            global_batch=1920,
+            devices=gpus,
+            tp=8,
+            pp=35,
+            micro_batch=1,
+            zero_stage=1,
+            tflops=tflops,
+            assumed=_MTNLG_ASSUMED,
+        )
+        for gpus, tflops in ((2240, 126), (2800, 121), (3360, 113))
+    ),
+    PublishedRun(
+        name="BLOOM 176B",
+        source=_BLOOM,
+        params=176.2e9,
+        layers=70,
+        hidden=14336,
+        heads=112,
+        vocab=250880,
+        global_batch=2048,
+        devices=384,
+        tp=4,
+        pp=12,
+        micro_batch=2,
+        zero_stage=1,
+        inter_bw=400e9 / 8,
+        tflops=150,
+        cluster="Jean Zay: 48 nodes of 8 A100 80GB, NVLink inside a node, 4 Omni-Path 100 Gb/s",
+        assumed=_BLOOM_ASSUMED,
+    ),
+)
+"""The validation set: Megatron-LM's weak-scaling table (1.7B-1T on 32-3072 A100), MT-NLG 530B
+at three scales, BLOOM 176B."""
+
+CALIBRATION = ("Megatron-LM 1.7B", "Megatron-LM 145.6B")
+"""The rows the device model is fitted on: the smallest model (small GEMMs, a large share of
+element-wise and softmax traffic: pins ``mem_eff``) and a mid-size pipelined one (large GEMMs:
+pins ``gemm_eff``)."""
+
+
+def predict(run: PublishedRun, **efficiencies: float) -> SimResult:
+    """The simulator's prediction for ``run`` (its micro-batch, or the fastest fitting one)."""
+    from torsh_distributed.plan._sim_device import device_model
+    from torsh_distributed.plan.simulate import simulate
+
+    cfg = run.config()
+    dev = device_model(run.device, **efficiencies)
+    choices = (run.micro_batch,) if run.micro_batch else (1, 2, 4, 8)
+    results = []
+    for micro in choices:
+        try:
+            res = simulate(cfg, run.layout(micro), device=dev)
+        except ValueError:
+            continue
+        results.append(res)
+    fitting = [r for r in results if r.memory["total"] <= cfg.device_memory] or results
+    return min(fitting, key=lambda r: r.step_s)
+
+
+def calibrate(names: tuple[str, ...] = CALIBRATION) -> dict[str, float]:
+    """Least-squares fit of ``gemm_eff`` and ``mem_eff`` (log error of per-GPU TFLOP/s) on the
+    named rows: a grid, then two refinements around the best point."""
+    runs = [r for r in RUNS if r.name in names]
+    assert len(runs) == len(names) <= 2, names
+
+    def loss(g: float, mm: float) -> float:
+        import math
+
+        return sum(
+            math.log(predict(r, gemm_eff=g, mem_eff=mm).tflops_per_device / r.tflops) ** 2
+            for r in runs
+        )
+
+    best = (0.8, 0.7)
+    step = (0.1, 0.1)
+    for _ in range(3):
+        grid = [
+            (best[0] + i * step[0], best[1] + j * step[1])
+            for i in range(-3, 4)
+            for j in range(-3, 4)
+        ]
+        grid = [(g, mm) for g, mm in grid if 0.2 <= g <= 1.0 and 0.1 <= mm <= 1.0]
+        best = min(grid, key=lambda gm: loss(*gm))
+        step = (step[0] / 4, step[1] / 4)
+    return {"gemm_eff": round(best[0], 3), "mem_eff": round(best[1], 3)}
+
+
+def validate() -> list[dict[str, Any]]:
+    """Every row: published and predicted per-GPU TFLOP/s, the error, whether it was fitted."""
+    rows = []
+    for run in RUNS:
+        res = predict(run)
+        rows.append(
+            {
+                "name": run.name,
+                "layout": f"tp{run.tp} pp{run.pp} dp{res.dp} mb{res.layout.micro_batch}",
+                "published_tflops": run.tflops,
+                "predicted_tflops": res.tflops_per_device,
+                "error": res.tflops_per_device / run.tflops - 1,
+                "calibration": run.name in CALIBRATION,
+                "step_s": res.step_s,
+                "memory_gb": res.memory["total"] / 1e9,
+                "source": run.source,
+            }
+        )
+    return rows

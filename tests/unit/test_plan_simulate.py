@@ -1,0 +1,233 @@
+"""Step simulator (``plan simulate``): its invariants, its calibration, its CLI.
+
+Invariants: the pipeline bubble of uniform stages is ``(p - 1) / m`` (1F1B and GPipe) and
+``(p - 1) / (m v)`` interleaved (Narayanan et al. 2021, section 2.2); a data-parallel ring
+all-reduce costs exactly the alpha-beta model of ``comm/cost_model.py``; ZeRO-3 gathers every
+layer's parameters in every micro-batch's forward and backward; memory is ``plan memory``'s
+model-state formulas (and the strategy planner's memory for the layouts both model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torsh_distributed.cli.main import main
+from torsh_distributed.comm.cost_model import CostModel, LinkCost
+from torsh_distributed.plan._sim_published import CALIBRATION, RUNS, predict, validate
+from torsh_distributed.plan._sim_schedule import order, play
+from torsh_distributed.plan.memory import model_state_bytes
+from torsh_distributed.plan.simulate import SimLayout, SimResult, simulate, split_layers
+from torsh_distributed.plan.strategy import StrategyConfig, evaluate_layout
+
+GB = 1e9
+
+
+def _cfg(**overrides: object) -> StrategyConfig:
+    base: dict[str, object] = dict(
+        params=1.3e9,
+        layers=24,
+        hidden=2048,
+        heads=16,
+        devices=8,
+        nodes=1,
+        device_memory=80 * GB,
+        intra_bw=300 * GB,
+        inter_bw=200 * GB,
+        global_batch=64,
+        device="a100",
+    )
+    base.update(overrides)
+    return StrategyConfig(**base)  # type: ignore[arg-type]
+
+
+def _uniform_step(schedule: str, p: int, m: int, v: int) -> float:
+    """Step of a pipeline whose every chunk takes 1/v (forward) and 2/v (backward), sends free."""
+    passes = play(
+        order(schedule, p=p, m=m, v=v),
+        v=v,
+        run=lambda ps, t: t + (1.0 if ps.kind == "F" else 2.0) / v,
+        send=lambda dep: 0.0,
+    )
+    return max(rank[-1].end for rank in passes)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"),
+    [
+        ("1f1b", 4, 8, 1),
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 8, 64, 1),
+        ("interleaved", 4, 8, 2),
+        ("interleaved", 8, 64, 4),
+    ],
+)
+def test_uniform_stages_give_the_textbook_bubble(schedule: str, p: int, m: int, v: int) -> None:
+    busy = 3.0 * m  # forward + backward of m micro-batches on one rank
+    bubble = (_uniform_step(schedule, p, m, v) - busy) / busy
+    assert bubble == pytest.approx((p - 1) / (m * v), rel=1e-12)
+
+
+def test_simulated_1f1b_bubble_of_a_model_with_uniform_stages() -> None:
+    # no data parallelism, free sends, a 1-token vocabulary: every stage does the same work
+    cfg = _cfg(devices=4, global_batch=16, vocab=1, intra_latency=0.0, intra_bw=1e18)
+    res = simulate(cfg, SimLayout(pp=4, micro_batch=1))
+    m, p = res.microbatches, 4
+    assert m == 16
+    bubble = res.breakdown["bubble_and_wait"] / res.breakdown["compute"]
+    # the last stage's final norm and loss (a few % of a stage) are the only non-uniformity
+    assert (p - 1) / m <= bubble < 1.03 * (p - 1) / m
+    assert res.breakdown["dp_comm_exposed"] == 0.0
+
+
+def test_data_parallel_ring_all_reduce_is_its_alpha_beta_cost() -> None:
+    cfg = _cfg(intra_latency=7e-6)
+    res = simulate(cfg, SimLayout(micro_batch=8, bucket_mb=1e6))  # dp 8, one bucket, after backward
+    nbytes = int(cfg.params * 2)  # bf16 gradients
+    n, bw = 8, cfg.intra_bw
+    expected = 2 * (n - 1) * (7e-6 + nbytes / n / bw)
+    model = CostModel(intra=LinkCost(alpha=7e-6, beta=1 / bw), inter=LinkCost(1.0, 1.0))
+    assert expected == pytest.approx(model.estimate("ring", nbytes, ranks=n, nodes=1))
+    assert res.breakdown["dp_comm_exposed"] == pytest.approx(expected, rel=1e-9)
+    # 25 MB buckets pay one latency per bucket; overlapped with backward most of it hides
+    buckets = simulate(cfg, SimLayout(micro_batch=8))
+    overlapped = simulate(cfg, SimLayout(micro_batch=8, dp_overlap=True))
+    assert buckets.breakdown["dp_comm_exposed"] > expected
+    assert overlapped.breakdown["dp_comm_exposed"] < 0.5 * expected
+
+
+def test_zero3_gathers_every_layer_in_every_forward_and_backward(tmp_path: Path) -> None:
+    cfg = _cfg()
+    z3 = simulate(cfg, SimLayout(zero_stage=3, micro_batch=4), trace=True)
+    layers, m = cfg.layers, z3.microbatches
+    names = [e["name"] for e in z3.events]
+    assert names.count("all-gather params") == 2 * m * layers
+    assert names.count("reduce-scatter grads") == m * layers
+    z2 = simulate(cfg, SimLayout(zero_stage=2, micro_batch=4), trace=True)
+    assert [e["name"] for e in z2.events].count("all-gather params") == 1  # after the step
+    lazy = simulate(cfg, SimLayout(zero_stage=3, micro_batch=4, fsdp_prefetch=False))
+    gather = sum(e["dur"] for e in z3.events if e["name"] == "all-gather params") / 1e6
+    # without prefetch every gather is exposed: the step grows by (almost) all of them
+    assert lazy.step_s - z3.step_s > 0.5 * gather
+    assert lazy.step_s > z3.step_s
+    # the ZeRO paper's count: per micro-batch 2 gathers + 1 reduce-scatter = 1.5x DP's all-reduce
+    # (bytes only: ZeRO-3's per-layer collectives also pay 3 m L latencies, DP's one)
+    free = _cfg(intra_latency=0.0)
+    z0 = simulate(free, SimLayout(micro_batch=4, bucket_mb=1e6), trace=True)
+    z3 = simulate(free, SimLayout(zero_stage=3, micro_batch=4), trace=True)
+
+    def comm(res: SimResult) -> float:
+        return sum(e["dur"] for e in res.events if e["tid"] == "comm") / 1e6
+
+    assert comm(z3) == pytest.approx(1.5 * m * comm(z0), rel=0.01)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_is_plan_memorys_formulas(stage: int) -> None:
+    cfg = _cfg(devices=16, nodes=2, global_batch=64)
+    res = simulate(cfg, SimLayout(tp=2, pp=2, zero_stage=stage, micro_batch=2))
+    states = model_state_bytes(cfg.params / 4, 4, stage).total
+    assert res.memory["model_states"] == states
+    planner = evaluate_layout(cfg, dp=4, tp=2, pp=2, stage=stage, micro_batch=2).estimate.memory
+    assert res.memory == pytest.approx(planner)
+    sp = simulate(
+        cfg, SimLayout(tp=2, pp=2, zero_stage=stage, micro_batch=2, sequence_parallel=True)
+    )
+    assert sp.memory["activations"] < res.memory["activations"]
+
+
+def test_layers_split_evenly_remainder_to_the_middle_stages() -> None:
+    assert split_layers(70, 12) == [5] + [6] * 10 + [5]  # BLOOM: embedding and head stages
+    assert split_layers(8, 4) == [2, 2, 2, 2]
+
+
+def test_calibration_rows_are_reproduced_and_named() -> None:
+    assert 1 <= len(CALIBRATION) <= 2
+    for run in RUNS:
+        if run.name in CALIBRATION:
+            assert predict(run).tflops_per_device == pytest.approx(run.tflops, rel=0.01)
+
+
+def test_validation_megatron_rows_within_15_percent() -> None:
+    rows = [r for r in validate() if r["name"].startswith("Megatron-LM")]
+    assert len(rows) == 10
+    assert all(abs(r["error"]) < 0.15 for r in rows), [(r["name"], r["error"]) for r in rows]
+
+
+_ARGV = [
+    "plan",
+    "simulate",
+    "--params",
+    "1.3e9",
+    "--layers",
+    "24",
+    "--hidden",
+    "2048",
+    "--heads",
+    "16",
+    "--devices",
+    "16",
+    "--nodes",
+    "2",
+    "--device-memory",
+    "80GB",
+    "--intra-bw",
+    "300GB/s",
+    "--inter-bw",
+    "1600Gbps",
+    "--global-batch",
+    "64",
+]
+
+
+def test_cli_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*_ARGV, "--tp", "2", "--pp", "2", "--micro-batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"step_s", "tflops_per_device", "mfu", "memory_per_device_gb"} <= set(out)
+    assert out["layout"]["dp"] == 4 and out["layout"]["microbatches"] == 8
+    assert 0 < out["mfu"] < 1 and out["step_s"] > 0
+    assert out["critical_path"]["segments"][-1]["kind"] == "optimizer"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp", "3"], "--tp x --pp x --ep = 3 does not divide --devices 16"),
+        (["--tp", "16"], "--tp 16 must divide the 8 devices per node"),
+        (["--pp", "4", "--interleave", "2", "--micro-batch", "8"], "multiple of --pp 4"),
+        (["--micro-batch", "3"], "--global-batch 64 is not divisible"),
+        (["--zero-stage", "5"], "--zero-stage must be one of 0, 1, 2, 3"),
+        (["--device", "cpu"], "--device cpu: the simulator has no CPU device model"),
+    ],
+)
+def test_cli_refuses_bad_layouts_in_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*_ARGV, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("torsh-dist plan: error:")
+    assert pytest.importorskip("re").search(message, err), err
+
+
+def test_cli_writes_a_chrome_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "step.json"
+    assert main([*_ARGV, "--pp", "2", "--micro-batch", "4", "--trace", str(path)]) == 0
+    assert "critical path" in capsys.readouterr().out
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} >= {"compute", "p2p", "comm"}
+    assert any(e["name"].startswith("F mb0") for e in spans)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+
+def test_strategy_simulate_reranks_by_simulated_step(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "strategy", *_ARGV[2:], "--simulate", "--simulate-top", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    sims = out["simulated"]
+    assert 1 <= len(sims) <= 4 and [s["rank"] for s in sims] == list(range(1, len(sims) + 1))
+    steps = [s["step_s"] for s in sims if s["fits"]]
+    assert steps == sorted(steps)
+    assert all({"step_s", "tflops_per_device", "mfu", "planner_rank"} <= set(s) for s in sims)

@@ -240,3 +240,23 @@ def test_cli_on_a_recorded_tree_without_topo_does_not_run_nvidia_smi(
     out = capsys.readouterr().out
     assert code == 0 and "GPUs: 0" in out and "no --topo file given" in out
     assert "NCCL_IB_HCA=mlx5_0:1,mlx5_1:1" in out  # every active port, no topology to narrow it
+
+
+def test_a_topology_without_nic_columns_gives_numa_and_cpus_only(tmp_path: Path):
+    topo = read_topo(DATA / "h100-sxm-8gpu-no-nic-columns" / "topo.txt")
+    assert topo.nics == () and len(topo.gpus) == 8
+    report = diagnose(sysfs_root=tmp_path, topo=topo, environ={})
+    assert [(p.nic, p.link) for p in report.placements] == [(None, None)] * 8
+    assert [p.cpus for p in report.placements] == ["0-51,104-155"] * 4 + ["52-103,156-207"] * 4
+    assert any(n.startswith("NVLink between every GPU pair (NV18") for n in report.notes)
+    assert "no NIC listed" in format_report(report)
+
+
+def test_a_workstation_with_one_numa_node_needs_no_binding(tmp_path: Path):
+    topo = read_topo(DATA / "rtx6000ada-2gpu-workstation" / "topo.txt")
+    report = diagnose(sysfs_root=tmp_path, topo=topo, environ={})  # NIC states unknown
+    assert [(p.gpu, p.nic, p.link, p.nic_state) for p in report.placements] == [
+        ("GPU0", "mlx5_0", "NODE", None), ("GPU1", "mlx5_1", "NODE", None)]
+    assert not any("NUMA nodes" in n for n in report.notes)
+    assert "no NVLink: GPU-to-GPU traffic crosses PCIe" in report.notes
+    assert not any("CPU interconnect" in n for n in report.notes)  # PHB, not SYS

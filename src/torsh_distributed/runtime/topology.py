@@ -195,7 +195,7 @@ def diagnose(
     gpus: tuple[str, ...] = ()
     if topo is not None and topo.gpus:
         gpus = topo.gpus
-        first_port = {}
+        first_port: dict[str, str] = {}
         for port in ports:
             first_port.setdefault(port.device, port.state)
         for rank, (gpu, nic, link) in enumerate(gpu_rails(topo, ports)):

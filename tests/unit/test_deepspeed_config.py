@@ -37,7 +37,7 @@ def test_every_key_is_classified_once(path: Path):
     assert len(keys) == len(set(keys)), "a key reported twice"
     for leaf in _leaves(data):  # covered by its own entry or by an unknown parent's
         assert any(leaf == k or leaf.startswith(k + ".") for k in keys), leaf
-    assert {e.status for e in report.entries} <= {"applied", "mapped", "unsupported", "ignored"}
+    assert {e.status for e in report.entries} <= {"applied", "mapped", "unsupported", "default", "ignored"}
     assert all(e.note for e in report.entries if e.status != "applied")
     assert config.batch_size >= 1
 
@@ -169,7 +169,7 @@ def test_compile_maps_to_torch_compile_of_each_block():
     assert "not configurable here" in notes["compile.kwargs"]
     # DeepCompile (newer releases) is not built; its settings matter only when it is on.
     _, report = _import({"compile": {"deepcompile": False, "offload_activation": False}}, strict=True)
-    assert {e.status for e in report.entries} == {"applied", "mapped"}
+    assert {e.status for e in report.entries if e.key in ("compile.deepcompile", "compile.offload_activation")} == {"applied", "mapped"}
     _, report = _import({"compile": {"deepcompile": True, "offload_activation": True}})
     notes = {e.key: e.note for e in report.unsupported}
     assert "DeepCompile" in notes["compile.deepcompile"] and "not built" in notes["compile.offload_activation"]
@@ -223,3 +223,69 @@ def test_activation_checkpointing_keys_alone_do_not_turn_recomputation_on():
     notes = {e.key: e.note for e in report.unsupported}
     assert "offloading checkpoints to the host" in notes["activation_checkpointing.cpu_checkpointing"]
     assert "partitioning checkpointed activations" in notes["activation_checkpointing.partition_activations"]
+
+
+def _entry(report: Any, key: str) -> Any:
+    [entry] = [e for e in report.entries if e.key == key]
+    return entry
+
+
+def test_omitted_keys_take_deepspeeds_defaults_not_the_presets():
+    # the preset's own values differ from DeepSpeed's on every line checked here
+    base = preset("tiny")
+    assert (base.optim.beta2, base.optim.weight_decay, base.optim.grad_clip, base.optim.schedule) == (0.95, 0.01, 1.0, "cosine")
+    config, report = import_deepspeed({"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {"lr": 4e-4}}},
+                                      base, world_size=2)
+    o = config.optim
+    assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.freeze_step) == (0.9, 0.999, 1e-8, 0.0, 100000)
+    assert (o.grad_clip, o.schedule, o.warmup_steps, o.lr) == (0.0, "constant", 0, 4e-4)
+    for key, value, target in [("optimizer.params.betas", [0.9, 0.999], "optim.beta1/beta2"),
+                               ("optimizer.params.weight_decay", 0.0, "optim.weight_decay"),
+                               ("optimizer.params.freeze_step", 100000, "optim.freeze_step"),
+                               ("gradient_clipping", 0.0, "optim.grad_clip"),
+                               ("scheduler", None, "optim.schedule/warmup_steps"),
+                               ("gradient_accumulation_steps", 1, "batch_size / grad_accum")]:
+        e = _entry(report, key)
+        assert (e.status, e.value, e.target) == ("default", value, target), e
+        assert "omitted: DeepSpeed's default" in e.note
+    assert "keeps the optimizer's lr constant" in _entry(report, "scheduler").note
+    assert report.format().splitlines()[0].endswith(f"{len(report.by_status('default'))} default")
+
+
+def test_scheduler_and_fp16_defaults_are_deepspeeds():
+    ds = {"train_batch_size": 32, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+          "scheduler": {"type": "WarmupLR"}, "fp16": {"enabled": True}}
+    config, report = _import(ds)
+    # WarmupLR's warmup_max_lr (0.001) replaces the optimizer's lr, over 1000 log warm-up steps
+    assert (config.optim.lr, config.optim.warmup_steps, config.optim.schedule) == (1e-3, 1000, "constant")
+    assert (config.parallel.loss_scale_init, config.parallel.loss_scale_growth_interval) == (2.0**16, 1000)
+    assert _entry(report, "scheduler.params.warmup_type").status == "default"
+    # DeepSpeed's hysteresis 2 is not built: an omitted key we cannot honour is unsupported, and --strict says so
+    assert "omitted: DeepSpeed's default" in _entry(report, "fp16.hysteresis").note
+    assert [e.key for e in report.unsupported] == ["fp16.hysteresis"]
+    with pytest.raises(ValueError, match=r"--strict: unsupported DeepSpeed config keys: fp16.hysteresis \(omitted"):
+        _import(ds, strict=True)
+    config, _ = _import({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 40}}})
+    assert (config.optim.warmup_steps, config.optim.min_lr_ratio, config.max_steps) == (1000, 0.0001, 40)
+    # precision, ZeRO and compile omitted: fp32, stage 0, no compile, whatever the base said
+    base = EngineConfig(batch_size=32)
+    base.parallel.param_dtype, base.parallel.zero_stage, base.parallel.compile = "bf16", 2, True
+    config, _ = import_deepspeed({"train_batch_size": 32}, base, world_size=2)
+    assert (config.parallel.param_dtype, config.parallel.zero_stage, config.parallel.compile) == ("fp32", 0, False)
+
+
+def test_a_flag_given_on_the_command_line_wins_over_a_default():
+    config, report = _import({"optimizer": {"type": "AdamW"}}, explicit={"optim.lr": 0.02, "optim.grad_clip": 0.5})
+    assert (config.optim.lr, config.optim.beta2) == (EngineConfig().optim.lr, 0.999)
+    assert "--optim.lr 0.02 kept (given on the command line)" in _entry(report, "optimizer.params.lr").note
+    assert config.optim.grad_clip == EngineConfig().optim.grad_clip
+
+
+def test_the_legacy_compile_disable_key_turns_torch_compile_on():
+    config, report = _import({"compile": {"disable": False, "backend": "inductor"}}, strict=True)
+    assert config.parallel.compile is True
+    assert _entry(report, "compile.disable").target == "parallel.compile"
+    config, _ = _import({"compile": {"disable": True}})
+    assert config.parallel.compile is False
+    with pytest.raises(ValueError, match="compile.enabled true contradicts the legacy compile.disable true"):
+        _import({"compile": {"disable": True, "enabled": True}})

@@ -8,7 +8,8 @@ Each rule follows DeepSpeed's own semantics, read from its sources and docs:
   recomputes nothing. None of its keys turns recomputation on here either (that is
   ``--ac full`` / ``every-K``).
 * ``compile.enabled`` (older releases' ``CompileConfig``: ``enabled``, ``backend``, ``kwargs``)
-  compiles the model with ``torch.compile``; the other ``compile`` keys configure DeepCompile,
+  compiles the model with ``torch.compile`` (so does the legacy ``disable: false`` of the
+  pull request that introduced the section, #4878); the other ``compile`` keys configure DeepCompile,
   which only runs after the user calls ``engine.compile()``.
 * ``tensor_parallel.autotp_size`` is AutoTP's tensor-parallel degree (0 or 1: off); the
   data-parallel world becomes ``world_size / autotp_size``.
@@ -66,6 +67,25 @@ def _compile_enabled(value: Any, ctx: Context) -> Outcome:
         "torch.compile of each block (after activation checkpointing, before FSDP/DDP); "
         "DeepSpeed compiled the whole module at its first forward",
     )
+
+
+def _compile_disable(value: Any, ctx: Context) -> Outcome:
+    """The name of ``compile`` in DeepSpeed PR #4878's description and early branch
+    (``{"disable": false, "backend": "inductor"}``), copied into configs; it was released as
+    ``enabled``. ``disable: false`` means compile."""
+    if not isinstance(value, bool):
+        raise ValueError(f"DeepSpeed compile.disable must be true or false, got {value!r}")
+    enabled = ctx.section("compile").get("enabled")
+    if isinstance(enabled, bool) and enabled == value:
+        raise ValueError(
+            f"DeepSpeed compile.enabled {str(enabled).lower()} contradicts the legacy "
+            f"compile.disable {str(value).lower()}: drop compile.disable"
+        )
+    if value:
+        return Outcome("applied", "", "legacy name: disable true = compile off")
+    ctx.set("parallel.compile", True)
+    out = _compile_enabled(True, ctx)
+    return Outcome(out.status, out.target, f"legacy name: disable false = enabled true; {out.note}")
 
 
 def _compile_backend(value: Any, ctx: Context) -> Outcome:
@@ -147,6 +167,7 @@ MODEL_RULES: dict[str, Rule] = {
     ),
     "activation_checkpointing.profile": _ac("profiling checkpoint() (use --monitor)"),
     "compile.enabled": _compile_enabled,
+    "compile.disable": _compile_disable,
     "compile.backend": _compile_backend,
     "compile.kwargs": _compile_kwargs,
     "compile.deepcompile": _deepcompile,

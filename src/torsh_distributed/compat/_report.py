@@ -12,9 +12,12 @@ from torsh_distributed.engine.config import EngineConfig
 
 __all__ = ["ConfigReport", "KeyReport", "Status", "apply_changes", "read_json"]
 
-Status = Literal["applied", "mapped", "unsupported", "ignored"]
-"""``ignored``: a key that is not a setting (a ``_comment``) or that the original framework does
-not read (a legacy section shadowed by its new name); listed, never refused by ``strict``."""
+Status = Literal["applied", "mapped", "unsupported", "default", "ignored"]
+"""``default``: a key the config omits, given the original framework's own default (the note
+says where that default comes from and any difference here; one we cannot honour is
+``unsupported``). ``ignored``: a key that is not a setting (a ``_comment``) or that the original
+framework does not read (a legacy section shadowed by its new name); listed, never refused by
+``strict``."""
 C = TypeVar("C", bound=EngineConfig)
 
 
@@ -51,12 +54,14 @@ class ConfigReport:
     def format(self) -> str:
         """A plain-text table, one line per key, grouped by status."""
         ignored = len(self.by_status("ignored"))
+        defaults = len(self.by_status("default"))
         lines = [
             f"{self.source}: {len(self.by_status('applied'))} applied, "
             f"{len(self.by_status('mapped'))} mapped, {len(self.unsupported)} unsupported"
+            + (f", {defaults} default" if defaults else "")
             + (f", {ignored} ignored" if ignored else "")
         ]
-        for status in ("applied", "mapped", "unsupported", "ignored"):
+        for status in ("applied", "mapped", "unsupported", "default", "ignored"):
             for e in self.by_status(status):  # type: ignore[arg-type]
                 target = f" -> {e.target}" if e.target else ""
                 note = f" ({e.note})" if e.note else ""

@@ -16,6 +16,11 @@ happened to each key:
 * **unsupported**: no equivalent here (NVMe offload, ``hysteresis`` > 1, 1-bit LAMB, the
   profilers, DeepSpeed's own monitors, ...), and unknown keys, with a "did you mean" for
   misspellings. ``strict=True`` turns any unsupported key into a ``ValueError``;
+* **default**: a key the config omits takes DeepSpeed's own default, not our preset's (a
+  OneBitAdam without ``betas`` runs with (0.9, 0.999); no ``scheduler`` section keeps the
+  learning rate constant; no ``gradient_clipping`` does not clip), with where DeepSpeed sets it
+  (:mod:`._deepspeed_defaults`); a flag given explicitly on the command line wins over a
+  default. A default we cannot honour (fp16's ``hysteresis`` 2) is reported unsupported;
 * **ignored**: listed, never refused: comments (``_comment``, any key starting with ``_``, at
   any level: annotations, not settings) and a legacy ``bfloat16`` section next to a ``bf16`` one
   (DeepSpeed then reads only ``bf16``; alone, ``bfloat16`` is read exactly as ``bf16``).
@@ -39,6 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from torsh_distributed.compat._deepspeed_defaults import apply_defaults
 from torsh_distributed.compat._deepspeed_model_rules import (
     MODEL_RULES,
     MODEL_SECTIONS,
@@ -182,6 +188,7 @@ def import_deepspeed(
         if read_as != path:
             note = f"legacy name of {read_as}" + (f"; {note}" if note else "")
         report.entries.append(KeyReport(path, value, out.status, out.target, note))
+    report.entries.extend(apply_defaults(ctx, _rule, explicit or {}))
     _finish_batch(ctx)  # the triple, once every key was seen
     report.entries.extend(KeyReport(k, v, "applied", t, n) for k, v, t, n in ctx.derived)
     _check_explicit(ctx.changes, explicit or {})

@@ -2,8 +2,9 @@
 
 Pure computation (no GPU, no torch): for every published run of
 ``torsh_distributed.plan._sim_published.RUNS`` (Megatron-LM 2021's weak-scaling table, MT-NLG
-530B at three scales, BLOOM 176B), the simulator's per-GPU TFLOP/s (Megatron's FLOP count,
-recomputed forward included, as the papers count) beside the published one, the error, and
+530B at three scales, BLOOM 176B, Llama 3 405B on H100), the simulator's per-GPU TFLOP/s
+(counted as each paper counts: Megatron's eq. 3 with the recomputed forward, or Llama 3's model
+FLOPs) beside the published one, the error, and
 which rows the device model was fitted on. Then, for each distinct published setting, the
 strategy planner's search re-ranked by the simulator (``plan strategy --simulate``, the
 published system's ZeRO stages) against the published layout's simulated step.
@@ -47,7 +48,9 @@ def _validation() -> None:
 def _name(res: SimResult) -> str:
     lay = res.layout
     return (
-        f"dp{res.dp} tp{lay.tp} pp{lay.pp} z{lay.zero_stage} mb{lay.micro_batch} rc {lay.recompute}"
+        f"dp{res.dp} tp{lay.tp} pp{lay.pp} z{lay.zero_stage} mb{lay.micro_batch}"
+        + (f" v{lay.interleave}" if lay.interleave > 1 else "")
+        + f" rc {lay.recompute}"
     )
 
 
@@ -64,13 +67,25 @@ def _why(best: SimResult, pub: SimResult) -> str:
     return ", ".join(terms)
 
 
-def _best(cfg: StrategyConfig, top: int) -> SimResult | str:
+def _options(run: PublishedRun) -> dict[str, object]:
+    """How the published system runs every layout (model extras, sequence parallelism,
+    overlap), for the simulated search."""
+    return {
+        "sequence_parallel": run.sequence_parallel,
+        "dp_overlap": run.dp_overlap,
+        "kv_heads": run.kv_heads,
+        "ffn_hidden": run.ffn_hidden,
+        "gated_mlp": run.gated_mlp,
+    }
+
+
+def _best(cfg: StrategyConfig, top: int, options: dict[str, object]) -> SimResult | str:
     """The fastest fitting layout of ``plan strategy --simulate`` (or why there is none)."""
     try:
         plan = plan_strategy(cfg)
     except ValueError as exc:  # e.g. BLOOM: the planner's pp must divide the layers
         return f"no layout ({str(exc).split(':', 1)[0]}; the planner's pp must divide --layers)"
-    ranked = rank_by_simulation(plan, top=top)
+    ranked = rank_by_simulation(plan, top=top, **options)
     fitting = [r for _, r in ranked if r.memory["total"] <= cfg.device_memory]
     return fitting[0] if fitting else f"none of {top} fits"
 
@@ -90,8 +105,8 @@ def _strategy(run: PublishedRun, top: int) -> None:
     stages = (0,) if run.zero_stage == 0 else (0, 1)  # what the published system had
     cfg = replace(run.config(), stages=stages)
     pub = predict(run)
-    free = _best(cfg, top)
-    full = _best(replace(cfg, activation_checkpointing="full"), top)
+    free = _best(cfg, top, _options(run))
+    full = _best(replace(cfg, activation_checkpointing="full"), top, _options(run))
     print(
         f"| {run.name} | {_name(pub)}: {pub.step_s:.2f} s | {_cell(free, pub)} | "
         f"{_cell(full, pub)} |"

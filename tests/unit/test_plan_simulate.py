@@ -16,6 +16,7 @@ import pytest
 
 from torsh_distributed.cli.main import main
 from torsh_distributed.comm.cost_model import CostModel, LinkCost
+from torsh_distributed.plan._sim_layer import layer_flops
 from torsh_distributed.plan._sim_published import CALIBRATION, RUNS, predict, validate
 from torsh_distributed.plan._sim_schedule import order, play
 from torsh_distributed.plan.memory import model_state_bytes
@@ -136,6 +137,20 @@ def test_memory_is_plan_memorys_formulas(stage: int) -> None:
         cfg, SimLayout(tp=2, pp=2, zero_stage=stage, micro_batch=2, sequence_parallel=True)
     )
     assert sp.memory["activations"] < res.memory["activations"]
+
+
+def test_flop_count_is_megatrons_and_generalises_to_gqa_and_gated_mlps() -> None:
+    cfg = _cfg()
+    h, s, tokens = cfg.hidden, cfg.seq_len, 1000.0
+    megatron = tokens * 24 * h * h * (1 + s / (6 * h))  # eq. 3 per layer and pass
+    assert layer_flops(cfg, SimLayout(), 4 * h, tokens) == pytest.approx(megatron)
+    gqa = layer_flops(cfg, SimLayout(kv_heads=4), 4 * h, tokens)
+    d = h // cfg.heads
+    assert megatron - gqa == pytest.approx(tokens * 2 * h * 2 * (cfg.heads - 4) * d)
+    gated = layer_flops(cfg, SimLayout(gated_mlp=True), 4 * h, tokens)
+    assert gated - megatron == pytest.approx(tokens * 2 * h * 4 * h)  # a third MLP matrix
+    res = simulate(cfg, SimLayout(micro_batch=8, recompute="full"))
+    assert res.flops == pytest.approx(res.model_flops * 4 / 3, rel=0.02)  # logits not rerun
 
 
 def test_layers_split_evenly_remainder_to_the_middle_stages() -> None:

@@ -264,6 +264,12 @@ def add_simulate_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--ffn-hidden", type=int, default=0, help="MLP width (default 4 x --hidden)")
     group.add_argument(
+        "--kv-heads", type=int, default=0, help="key/value heads, grouped-query (default --heads)"
+    )
+    group.add_argument(
+        "--gated-mlp", action="store_true", help="SwiGLU MLP: three matrices (Llama)"
+    )
+    group.add_argument(
         "--topology",
         choices=("rail", "fat-tree"),
         default="rail",
@@ -283,6 +289,8 @@ def layout_options(args: argparse.Namespace) -> dict[str, Any]:
         "bucket_mb": args.bucket_mb,
         "fsdp_prefetch": args.fsdp_prefetch,
         "ffn_hidden": args.ffn_hidden,
+        "kv_heads": args.kv_heads,
+        "gated_mlp": args.gated_mlp,
         "topology": args.topology,
         "oversubscription": args.oversubscription,
     }

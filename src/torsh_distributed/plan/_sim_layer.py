@@ -48,13 +48,16 @@ class LayerCost:
         return self.backward + self.backward_comm
 
 
-def layer_flops(cfg: StrategyConfig, ffn: int, tokens: float) -> float:
+def layer_flops(cfg: StrategyConfig, lay: SimLayout, ffn: int, tokens: float) -> float:
     """Forward FLOPs of one layer for ``tokens`` tokens, Megatron's count (Narayanan et al. 2021,
-    eq. 3: ``24 h^2 (1 + s / 6h)`` per token at ``ffn = 4h``; the MLP scales with ``ffn``; with
-    experts, ``top_k`` MLPs per token)."""
+    eq. 3: ``24 h^2 (1 + s / 6h)`` per token at ``ffn = 4h``, full (not causal-halved) attention
+    scores); the MLP scales with ``ffn`` (x 1.5 gated), QKV with the key/value heads; with
+    experts, ``top_k`` MLPs per token."""
     h, s = cfg.hidden, cfg.seq_len
-    mlp = 4.0 * h * ffn * (cfg.top_k if cfg.experts else 1)
-    return tokens * (8.0 * h * h + mlp + 4.0 * s * h)
+    kv = lay.kv_heads or cfg.heads
+    qkv = 2.0 * h * (h + 2 * kv * (h // cfg.heads))
+    mlp = 2.0 * h * ffn * (3 if lay.gated_mlp else 2) * (cfg.top_k if cfg.experts else 1)
+    return tokens * (qkv + 2.0 * h * h + mlp + 4.0 * s * h)
 
 
 def logits_flops(cfg: StrategyConfig, tokens: float) -> float:
@@ -103,17 +106,22 @@ def layer_cost(
     tokens = b * s
     local = tokens / t if lay.sequence_parallel else tokens  # tokens of norms/dropout/residual
     gemms_f = gemms_b = 0.0
-    for n, k in ((3 * h / t, h), (h, h / t)):  # QKV, output projection
+    kv = lay.kv_heads or cfg.heads
+    qkv = (h + 2 * kv * (h // cfg.heads)) / t
+    for n, k in ((qkv, h), (h, h / t)):  # QKV, output projection
         f, bw = _gemm_fb(dev, tokens, n, k, act)
         gemms_f, gemms_b = gemms_f + f, gemms_b + bw
     mlp_tokens = tokens * (cfg.top_k if cfg.experts else 1)
-    for n, k in ((ffn / t, h), (h, ffn / t)):  # FC1, FC2 (experts: top_k routed copies)
+    up = 2 * ffn if lay.gated_mlp else ffn
+    for n, k in ((up / t, h), (h, ffn / t)):  # FC1 (gate + up), FC2 (experts: top_k copies)
         f, bw = _gemm_fb(dev, mlp_tokens, n, k, act)
         gemms_f, gemms_b = gemms_f + f, gemms_b + bw
     attn_f, attn_b = _attention(cfg, lay, dev, act)
     mask = 1 if cfg.dropout else 0
-    # 2 norms (read, write), 2 dropout + residual (read 2, write 1, mask), GELU on ffn/t
-    elem = local * h * (2 * 2 * act + 2 * (3 * act + mask)) + mlp_tokens * ffn / t * 2 * act
+    # 2 norms (read, write), 2 dropout + residual (read 2, write 1, mask), GELU on ffn/t (read,
+    # write) or SwiGLU (read 2, write 1)
+    gelu = (3 if lay.gated_mlp else 2) * act
+    elem = local * h * (2 * 2 * act + 2 * (3 * act + mask)) + mlp_tokens * ffn / t * gelu
     fwd = gemms_f + attn_f + dev.elementwise(elem)
     bwd = gemms_b + attn_b + dev.elementwise(2 * elem)
     comm = 0.0

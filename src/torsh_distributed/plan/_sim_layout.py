@@ -44,6 +44,10 @@ class SimLayout:
     """ZeRO-3: gather the next layer while this one computes."""
     ffn_hidden: int = 0
     """MLP width; 0 = 4 x hidden."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 = one per attention head."""
+    gated_mlp: bool = False
+    """A gated MLP (SwiGLU: three matrices, the first ``2 x ffn_hidden`` wide)."""
     topology: str = "rail"
     """Between nodes: ``rail`` (full bisection) or ``fat-tree`` (with ``oversubscription``)."""
     oversubscription: float = 1.0
@@ -73,5 +77,11 @@ class SimLayout:
             raise ValueError(
                 f"--topology must be one of {', '.join(TOPOLOGIES)}; got {self.topology!r}"
             )
-        if self.oversubscription < 1 or self.bucket_mb <= 0 or self.ffn_hidden < 0:
-            raise ValueError("--oversubscription must be >= 1, --bucket-mb > 0, --ffn-hidden >= 0")
+        if (
+            self.oversubscription < 1
+            or self.bucket_mb <= 0
+            or min(self.ffn_hidden, self.kv_heads) < 0
+        ):
+            raise ValueError(
+                "--oversubscription must be >= 1, --bucket-mb > 0, --ffn-hidden and --kv-heads >= 0"
+            )

@@ -154,6 +154,10 @@ def _check(cfg: StrategyConfig, lay: SimLayout) -> tuple[int, int]:
         raise ValueError(
             f"--pp x --interleave = {lay.pp * lay.interleave} exceeds --layers {cfg.layers}"
         )
+    if lay.kv_heads and (cfg.heads % lay.kv_heads or lay.kv_heads % lay.tp):
+        raise ValueError(
+            f"--kv-heads {lay.kv_heads} must divide --heads {cfg.heads} and be divisible by --tp"
+        )
     if lay.ep > 1 and (not cfg.experts or cfg.experts % lay.ep):
         raise ValueError(f"--ep {lay.ep} needs --experts divisible by it (got {cfg.experts})")
     replicas = dp * lay.ep
@@ -389,7 +393,7 @@ def simulate(
             )
     path = sorted(path + sends, key=lambda e: (e["start"], e["end"])) + tails[slowest]
     tokens = cfg.global_batch * cfg.seq_len
-    per_layer = layer_flops(cfg, ffn, tokens)
+    per_layer = layer_flops(cfg, lay, ffn, tokens)
     passes_counted = 4 if lay.recompute == "full" else 3
     extra = 0.0
     if lay.recompute == "selective":

@@ -153,6 +153,25 @@ def test_flop_count_is_megatrons_and_generalises_to_gqa_and_gated_mlps() -> None
     assert res.flops == pytest.approx(res.model_flops * 4 / 3, rel=0.02)  # logits not rerun
 
 
+def test_interleaving_holds_megatrons_extra_micro_batches_in_flight() -> None:
+    cfg = _cfg(devices=8, global_batch=64, nodes=1)
+    plain = simulate(cfg, SimLayout(pp=4, micro_batch=1))
+    chunks = simulate(cfg, SimLayout(pp=4, micro_batch=1, interleave=2))
+    p, v = 4, 2  # Narayanan et al. 2021, section 2.2.2: 1 + (p - 1) / (p v) times the activations
+    ratio = chunks.memory["activations"] / plain.memory["activations"]
+    assert ratio == pytest.approx(1 + (p - 1) / (p * v))
+    assert chunks.breakdown["bubble_and_wait"] < plain.breakdown["bubble_and_wait"]
+
+
+def test_an_oversubscribed_fat_tree_slows_cross_node_groups_only() -> None:
+    cfg = _cfg(devices=16, nodes=2, inter_latency=0.0, intra_latency=0.0)
+    lay = dict(tp=8, micro_batch=8, bucket_mb=1e6)  # dp 2 across the nodes, tp 8 inside
+    rail = simulate(cfg, SimLayout(**lay))  # type: ignore[arg-type]
+    tree = simulate(cfg, SimLayout(**lay, topology="fat-tree", oversubscription=2.0))  # type: ignore[arg-type]
+    assert tree.breakdown["dp_comm_exposed"] == pytest.approx(2 * rail.breakdown["dp_comm_exposed"])
+    assert tree.breakdown["tp_ep_comm"] == pytest.approx(rail.breakdown["tp_ep_comm"])
+
+
 def test_layers_split_evenly_remainder_to_the_middle_stages() -> None:
     assert split_layers(70, 12) == [5] + [6] * 10 + [5]  # BLOOM: embedding and head stages
     assert split_layers(8, 4) == [2, 2, 2, 2]

@@ -242,7 +242,8 @@ def simulate(
     head_f, head_b = logits_cost(cfg, lay, dev)
     act = 4 if cfg.dtype == "fp32" else 2
     dense, expert, _ = split_params(cfg)
-    local = dense / (lay.tp * p) + expert / (lay.ep * lay.tp * p)
+    dense_local, expert_local = dense / (lay.tp * p), expert / (lay.ep * lay.tp * p)
+    local = dense_local + expert_local
     p_bytes, g_bytes, k_bytes = bytes_per_param(cfg.dtype, cfg.optimizer)
     replicas = dp * lay.ep
     layer_params = local / (cfg.layers // p)
@@ -319,16 +320,23 @@ def simulate(
         tail: list[dict[str, Any]] = []
         if lay.zero_stage <= 1 and replicas > 1:
             op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
-            total = local * g_bytes
-            buckets = max(1, math.ceil(total / (lay.bucket_mb * 1e6)))
             lasts = [ps for ps in passes[r] if ps.kind == "B" and ps.mb == m - 1]
             work = sum(ps.end - ps.start for ps in lasts)
-            for k in range(buckets):
-                ready = compute_end
-                if lay.dp_overlap:  # bucket k is full once (k + 1) / buckets of the work is done
-                    ready = _progress(lasts, work * (k + 1) / buckets)
-                seconds = net.collective(op, total / buckets, replicas, lay.tp)
-                comm(r, f"grad {op.replace('_', '-')}", ready, seconds)
+            # dense gradients over the dp x ep replicas, expert gradients over dp (stride tp ep)
+            for params, size, step in (
+                (dense_local, replicas, lay.tp),
+                (expert_local, dp, lay.tp * lay.ep),
+            ):
+                total = params * g_bytes
+                buckets = math.ceil(total / (lay.bucket_mb * 1e6)) if size > 1 else 0
+                for k in range(buckets):
+                    ready = compute_end
+                    if (
+                        lay.dp_overlap
+                    ):  # bucket k is full once (k + 1) / buckets of the work is done
+                        ready = _progress(lasts, work * (k + 1) / buckets)
+                    seconds = net.collective(op, total / buckets, size, step)
+                    comm(r, f"grad {op.replace('_', '-')}", ready, seconds)
         grads_done = max(compute_end, comm_free[r])
         exposed.append(grads_done - compute_end)
         if grads_done > compute_end:

@@ -1,6 +1,7 @@
 """Planning before running: memory per rank by the ZeRO paper's formulas (:mod:`.memory`), the
 parallel strategy for a model and cluster (:mod:`.strategy`, optionally from a measured
-:mod:`.profile`) and the lr scaling rule (:mod:`.lr_scaling`)."""
+:mod:`.profile`), one step of a layout simulated event by event (:mod:`.simulate`) and the lr
+scaling rule (:mod:`.lr_scaling`)."""
 
 from torsh_distributed.plan.lr_scaling import LRScaling, lr_scaling
 from torsh_distributed.plan.memory import (
@@ -15,6 +16,7 @@ from torsh_distributed.plan.memory import (
     transient_bytes,
 )
 from torsh_distributed.plan.profile import Collective, Profile
+from torsh_distributed.plan.simulate import SimLayout, SimResult, rank_by_simulation, simulate
 from torsh_distributed.plan.strategy import (
     Candidate,
     StrategyConfig,
@@ -27,10 +29,14 @@ __all__ = [
     "Collective",
     "LRScaling",
     "Profile",
+    "SimLayout",
+    "SimResult",
     "StrategyConfig",
     "StrategyPlan",
     "lr_scaling",
     "plan_strategy",
+    "rank_by_simulation",
+    "simulate",
     "MemoryPlan",
     "ModelStateBytes",
     "activation_bytes",

@@ -4,6 +4,7 @@ refusals of ``hf:`` inputs that do not fit together."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,17 @@ def test_packed_windows_are_consecutive_next_token_pairs(tiny: Path):
         load_packed(spec, hf.tokenizer(), max_positions=64, vocab_size=8)
     with pytest.raises(ValueError, match="has no column 'body'"):
         load_packed(spec + ",field=body", hf.tokenizer(), max_positions=64, vocab_size=32)
+
+
+def test_a_text_file_packs_like_the_same_lines_in_jsonl(tiny: Path, tmp_path: Path):
+    hf = load_hf_model(f"hf:{tiny}")
+    lines = [json.loads(t)["text"] for t in (tiny.parent / "data.jsonl").read_text().splitlines()]
+    (tmp_path / "data.txt").write_text("\n".join(lines) + "\n")
+    from_jsonl = load_packed(f"hf:{tiny.parent / 'data.jsonl'},seq_len=16", hf.tokenizer(),
+                             max_positions=64, vocab_size=32)
+    from_text = load_packed(f"hf:{tmp_path / 'data.txt'},seq_len=16", hf.tokenizer(),
+                            max_positions=64, vocab_size=32)
+    assert torch.equal(from_text.tokens, from_jsonl.tokens)
 
 
 @pytest.mark.parametrize(

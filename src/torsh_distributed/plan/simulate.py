@@ -249,12 +249,10 @@ def simulate(
     layer_params = local / (cfg.layers // p)
     events: list[dict[str, Any]] = []
     comm_free = [0.0] * p
-    comm_busy = [0.0] * p
 
     def comm(r: int, name: str, ready: float, seconds: float) -> float:
         start = max(comm_free[r], ready)
         comm_free[r] = start + seconds
-        comm_busy[r] += seconds
         if trace and seconds > 0:
             events.append(_event(name, r, "comm", start, seconds))
         return comm_free[r]

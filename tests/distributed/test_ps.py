@@ -78,14 +78,21 @@ _MODELS = {
 }
 
 
-def _reference(optim_cls, steps: int, batch: int, workers: int, **kw) -> dict[str, torch.Tensor]:
-    """Single-process data parallel: the mean of the workers' mean-loss gradients, torch.optim."""
+def _reference(optim_cls, steps: int, batch: int, workers: int, *, clip: float = 0.0, lrs: tuple[float, ...] = (),
+               groups: bool = False, **kw) -> dict[str, torch.Tensor]:
+    """Single-process data parallel: the mean of the workers' mean-loss gradients, torch.optim;
+    ``clip`` clips the mean, ``lrs`` sets each step's lr, ``groups`` decays matrices only (the
+    engine's)."""
     from torsh_distributed.ps.train import batch_indices
 
     torch.manual_seed(1234)
     model = M.mlp().double()
     data = M.classification_data()
-    opt = optim_cls(model.parameters(), foreach=False, **kw)
+    params = list(model.parameters())
+    if groups:
+        params = [{"params": [p for p in params if p.dim() >= 2]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = optim_cls(params, foreach=False, **kw)
     per = batch // workers
     for step in range(steps):
         idx = batch_indices(step, batch_size=batch, num_samples=len(data), seed=1234)
@@ -99,6 +106,10 @@ def _reference(optim_cls, steps: int, batch: int, workers: int, **kw) -> dict[st
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads, strict=True):
             p.grad = sum(gs) / workers
+        if clip:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        for group in opt.param_groups if lrs else ():
+            group["lr"] = lrs[step]
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -115,6 +126,24 @@ def test_staleness_zero_equals_synchronous_data_parallel():
     assert out["staleness_histogram"] == {0: 2 * 2 * STEPS}  # 2 workers x 2 servers x steps
     assert out["applied"] == [STEPS, STEPS]
     assert not torch.equal(ref["0.weight"], M.mlp().double().state_dict()["0.weight"])
+
+
+@pytest.mark.timeout(120)
+def test_synchronous_mean_clipping_and_schedule_equal_data_parallel():
+    # what `torsh-dist train --ps-servers 1 --staleness 0` asks of the server: the engine's AdamW
+    # (matrices decay), its lr per step, and the step's mean gradient clipped (clip 0.05 clips
+    # every step, and clipping each push before averaging would give other parameters)
+    lrs = tuple([0.004 * (s + 1) for s in range(3)] + [0.012 * (1 - s / 10) for s in range(3, STEPS)])
+    cfg = {"ps": {"num_servers": 1, "staleness": 0},
+           "optim": {"kind": "adamw", "lr": 0.012, "lrs": lrs, "weight_decay": 0.1, "decay_matrices_only": True,
+                     "clip_norm": 0.05, "clip_mean": True},
+           "max_steps": STEPS, "batch_size": 32, "dtype": "fp64"}
+    out = run_distributed(_run, 3, args=(cfg,), init=False, timeout=90)[1]
+    ref = _reference(torch.optim.AdamW, STEPS, 32, 2, clip=0.05, lrs=lrs, groups=True, lr=0.012, weight_decay=0.1)
+    for key, value in ref.items():
+        torch.testing.assert_close(torch.from_numpy(out["params"][key]), value, rtol=0, atol=1e-6, msg=key)
+    per_push = _reference(torch.optim.AdamW, STEPS, 32, 2, clip=0.0, lrs=lrs, groups=True, lr=0.012, weight_decay=0.1)
+    assert not torch.allclose(per_push["0.weight"], ref["0.weight"], atol=1e-6)  # clipping mattered
 
 
 def test_bounded_staleness_never_exceeds_s_with_a_slow_worker():

@@ -29,12 +29,31 @@ def test_the_built_in_model_trains_with_bounded_staleness(tmp_path: Path):
         assert losses[-1] < losses[0]
 
 
+def test_synchronous_ps_trains_like_data_parallelism_from_the_same_command(tmp_path: Path):
+    # issue 39's command: the server's Adam once ignored the schedule, the decay and AdamW
+    # (final loss 3.4994 with --ps-servers against 4.6719 without)
+    same = ["--nproc-per-node", "2", "--preset", "tiny", "--max-steps", "12", "--seed", "6", "--batch-size", "16",
+            "--eval-batches", "1", "--progress", "false"]
+    out = {}
+    for name, extra in (("dp", []), ("ps", ["--ps-servers", "1", "--staleness", "0"])):
+        path = tmp_path / f"{name}.json"
+        proc = subprocess.run([*CLI, *same, *extra, "--summary-json", str(path)], capture_output=True, text=True,
+                              timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[name] = json.loads(path.read_text())
+    assert out["ps"]["mode"] == "sync" and out["ps"]["num_workers"] == 1
+    assert out["ps"]["final_loss"] == pytest.approx(out["dp"]["final_loss"], abs=1e-4)
+
+
 def test_servers_need_workers(capfd: pytest.CaptureFixture[str]):
     # refused before anything starts: the command's own code in this process
     from torsh_distributed.cli.main import main
 
     assert main(["train", "--nproc-per-node", "1", "--ps-servers", "1", "--preset", "tiny"]) == 2
     assert "--ps-servers 1 needs --nproc-per-node > 1" in capfd.readouterr().err
+    # synchronous clipping of the mean through 2 servers: no server holds its global norm
+    assert main(["train", "--nproc-per-node", "4", "--ps-servers", "2", "--preset", "tiny"]) == 2
+    assert "cannot clip the step's mean gradient by its global norm" in capfd.readouterr().err
 
 
 def test_a_one_bit_optimizer_is_refused_and_other_optimizers_are_named_as_ignored(capfd: pytest.CaptureFixture[str]):
@@ -48,5 +67,5 @@ def test_a_one_bit_optimizer_is_refused_and_other_optimizers_are_named_as_ignore
 
     config = preset("tiny")
     config.optim.optimizer = "sgd"
-    with pytest.warns(UserWarning, match=r"with --ps-servers these settings are ignored: optim.optimizer"):
+    with pytest.warns(UserWarning, match=r"--ps-optim adam: the servers apply adam, not the run's --optimizer sgd"):
         ps_train_config(config, {"kind": "adam", "num_servers": 1}, warn=True)

@@ -21,6 +21,9 @@ CASES = {
     "adam": (ServerOptimConfig(kind="adam", lr=0.01, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.01),
              lambda p: torch.optim.Adam([p], lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.01,
                                         foreach=False)),
+    "adamw": (ServerOptimConfig(kind="adamw", lr=0.01, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1),
+              lambda p: torch.optim.AdamW([p], lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1,
+                                          foreach=False)),
 }
 
 
@@ -43,6 +46,41 @@ def test_server_optimizer_equals_torch_optim(name, path):
         else:
             server.update_rows("w", mine, torch.arange(6), grad.clone())
     torch.testing.assert_close(mine, ref.detach(), rtol=0, atol=1e-12)
+
+
+def test_a_schedule_and_matrix_only_decay_equal_the_engines_adamw_groups():
+    lrs = (0.01, 0.02, 0.03, 0.015, 0.005)  # a warm-up then a decay, one lr per step
+    cfg = ServerOptimConfig(kind="adamw", lr=0.03, lrs=lrs, beta2=0.95, weight_decay=0.1, decay_matrices_only=True)
+    gen = torch.Generator().manual_seed(0)
+    init = {"w": torch.randn(4, 3, dtype=torch.float64, generator=gen), "b": torch.randn(3, dtype=torch.float64, generator=gen)}
+    ref = {k: v.clone().requires_grad_(True) for k, v in init.items()}
+    opt = torch.optim.AdamW([{"params": [ref["w"]], "weight_decay": 0.1}, {"params": [ref["b"]], "weight_decay": 0.0}],
+                            lr=0.03, betas=(0.9, 0.95), foreach=False)
+    server = ServerOptimizer(cfg)
+    mine = {k: v.clone() for k, v in init.items()}
+    for lr in lrs:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for key in mine:
+            grad = torch.randn(init[key].shape, dtype=torch.float64, generator=gen)
+            ref[key].grad = grad.clone()
+            server.update_dense(key, mine[key], grad, lr=lr)
+        opt.step()
+    for key in mine:
+        torch.testing.assert_close(mine[key], ref[key].detach(), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"lrs\[1\] must be >= 0 and finite"):
+        ServerOptimConfig(lrs=(0.1, -1.0))
+
+
+def test_synchronous_mean_clipping_through_several_servers_is_refused():
+    from torsh_distributed.ps.config import check_clip_mean
+
+    optim = ServerOptimConfig(clip_norm=1.0, clip_mean=True)
+    with pytest.raises(ValueError, match=r"through 2 servers with 2 workers cannot clip the step's mean gradient"):
+        check_clip_mean(optim, PSConfig(num_servers=2), num_workers=2)
+    check_clip_mean(optim, PSConfig(num_servers=2), num_workers=1)  # one worker's push is the mean
+    check_clip_mean(optim, PSConfig(num_servers=1), num_workers=2)  # the server holds the mean
+    check_clip_mean(optim, PSConfig(num_servers=2, staleness=2), num_workers=2)  # SSP clips each push
 
 
 def test_lazy_rows_leave_untouched_rows_and_state_alone():

@@ -4,10 +4,17 @@ engine's data-parallel loop.
 
 The world is ``--nproc-per-node`` ranks launched as usual: ranks below S are servers, the rest
 workers. From the training config it takes ``max_steps``, ``batch_size`` (the global batch per
-step), ``seed``, ``summary_json`` and the optimizer's ``lr``, ``momentum``, ``beta1``, ``beta2``,
-``eps``, ``grad_clip`` (as the per-push clip norm); every other setting that differs from the
-preset is reported as ignored. What runs on the ranks is ``python -m
-torsh_distributed.cli.ps_train --config-json ... --ps-json ...``.
+step), ``seed``, ``summary_json`` and the whole ``optim`` section: the servers apply the run's
+optimizer (``adamw`` or ``sgd``, unless ``--ps-optim`` names another) with its ``lr``,
+``momentum``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` (matrices only, as the engine
+groups them), the engine's learning-rate schedule per step (warm-up, then ``schedule`` to
+``min_lr_ratio``), and ``grad_clip`` (synchronous: on the step's mean gradient, as data
+parallelism clips; else per push). Batches come from the engine's sampler with the same seed, so
+``--staleness 0`` trains as the same command without ``--ps-servers`` (data parallelism).
+Synchronous clipping through several servers with several workers is refused (no server holds
+the mean's global norm); every other setting that differs from the preset is reported as
+ignored. What runs on the ranks is ``python -m torsh_distributed.cli.ps_train --config-json ...
+--ps-json ...``.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torsh_distributed.ps.config import OPTIMIZERS, PSConfig, ServerOptimConfig
+from torsh_distributed.ps.config import OPTIMIZERS, PSConfig, ServerOptimConfig, check_clip_mean
 from torsh_distributed.train.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -30,7 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["add_ps_arguments", "handle_ps", "main"]
 
 _USED = {"max_steps", "batch_size", "seed", "summary_json", "log_every", "optim"}
-_USED_OPTIM = {"lr", "momentum", "beta1", "beta2", "eps", "grad_clip"}
+_USED_OPTIM = {"optimizer", "lr", "momentum", "beta1", "beta2", "eps", "grad_clip", "weight_decay",
+               "warmup_steps", "schedule", "min_lr_ratio"}
+_SERVER_KIND = {"adamw": "adamw", "sgd": "sgd"}
+"""The servers' update rule for the engine's optimizer."""
 
 
 def add_ps_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +53,9 @@ def add_ps_arguments(parser: argparse.ArgumentParser) -> None:
                        help="server ranks (the first S of --nproc-per-node); 0 = off (the engine)")
     group.add_argument("--staleness", type=int, default=0, metavar="s",
                        help="0 = synchronous, s > 0 = bounded staleness (SSP), -1 = fully asynchronous")
-    group.add_argument("--ps-optim", choices=OPTIMIZERS, default="adam",
-                       help="the servers' optimizer (lr, betas, momentum, eps from --lr etc.)")
+    group.add_argument("--ps-optim", choices=OPTIMIZERS, default=None,
+                       help="the servers' optimizer; default: the run's --optimizer (adamw or sgd) "
+                       "with its settings and learning-rate schedule, as data parallelism applies it")
     group.add_argument("--ps-snapshot-dir", default="", metavar="DIR",
                        help="snapshot each server's shard here; a restarted job restores from it")
     group.add_argument("--ps-snapshot-every", type=int, default=0, metavar="N",
@@ -64,8 +75,13 @@ def _ps_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def ps_train_config(config: TrainConfig, settings: dict[str, Any], *, warn: bool = False) -> PSTrainConfig:
-    """The :class:`PSTrainConfig` of a training config plus the ``--ps-*`` settings."""
+def ps_train_config(
+    config: TrainConfig, settings: dict[str, Any], *, warn: bool = False, user: UserFactories | None = None
+) -> PSTrainConfig:
+    """The :class:`PSTrainConfig` of a training config plus the ``--ps-*`` settings; ``user``:
+    the user's model and data (their batches come from the engine's epoch sampler, the
+    built-in GPT's from its replacement sampler, as the engine draws them)."""
+    from torsh_distributed.engine.optim import lr_at
     from torsh_distributed.ps.train import PSTrainConfig
     from torsh_distributed.train.config import preset
 
@@ -85,13 +101,19 @@ def ps_train_config(config: TrainConfig, settings: dict[str, Any], *, warn: bool
         if ignored:
             warnings.warn(f"with --ps-servers these settings are ignored: {', '.join(ignored)}", stacklevel=2)
     settings = dict(settings)
-    kind = settings.pop("kind")
+    kind = settings.pop("kind") or _SERVER_KIND[opt.optimizer]
+    if warn and kind != _SERVER_KIND.get(opt.optimizer):
+        warnings.warn(f"--ps-optim {kind}: the servers apply {kind}, not the run's --optimizer "
+                      f"{opt.optimizer}; the run will differ from data parallelism", stacklevel=2)
     ps = PSConfig(token=os.environ.get("TORSH_PS_TOKEN", ""), **settings)
-    optim = ServerOptimConfig(kind=kind, lr=opt.lr, momentum=opt.momentum if kind == "sgd" else 0.0,
-                              beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, clip_norm=opt.grad_clip)
+    lrs = tuple(lr_at(step, optim=opt, max_steps=config.max_steps) for step in range(config.max_steps))
+    optim = ServerOptimConfig(kind=kind, lr=opt.lr, lrs=lrs, momentum=opt.momentum if kind == "sgd" else 0.0,
+                              beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps,
+                              weight_decay=opt.weight_decay if kind in ("adamw", "sgd") else 0.0,
+                              decay_matrices_only=True, clip_norm=opt.grad_clip, clip_mean=True)
     return PSTrainConfig(ps=ps, optim=optim, max_steps=config.max_steps, batch_size=config.batch_size,
                          seed=config.seed, log_every=config.log_every if config.progress else 0,
-                         summary_json=config.summary_json)
+                         summary_json=config.summary_json, sampler="replacement" if user is None else "epoch")
 
 
 def handle_ps(args: argparse.Namespace, config: TrainConfig, user: UserFactories | None, options: Any) -> int:
@@ -99,11 +121,12 @@ def handle_ps(args: argparse.Namespace, config: TrainConfig, user: UserFactories
     from torsh_distributed.elastic.launch import launch
 
     settings = _ps_settings(args)
-    ps_train_config(config, settings, warn=True)  # validate before any rank starts
+    ps = ps_train_config(config, settings, warn=True, user=user)  # validate before any rank starts
     world = options.nproc_per_node * int(str(options.nnodes).split(":")[0])
     if world <= args.ps_servers:
         raise ValueError(f"--ps-servers {args.ps_servers} needs --nproc-per-node > {args.ps_servers} "
                          "(servers plus at least one worker)")
+    check_clip_mean(ps.optim, ps.ps, num_workers=world - args.ps_servers)
     return launch(options, module="torsh_distributed.cli.ps_train",
                   args=["--config-json", config.to_json(), "--ps-json", json.dumps(settings),
                         *(user.to_args() if user else [])])
@@ -140,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = TrainConfig.from_dict(json.loads(args.config_json))
     user = (UserFactories(model=args.model, dataset=args.dataset, loss=args.loss) if args.model else None)
     model_fn, dataset, loss_fn = _pieces(config, user)
-    summary = run(model_fn, dataset, loss_fn, ps_train_config(config, json.loads(args.ps_json)))
+    summary = run(model_fn, dataset, loss_fn, ps_train_config(config, json.loads(args.ps_json), user=user))
     if summary is not None:
         print(format_summary(summary), flush=True)
     return 0

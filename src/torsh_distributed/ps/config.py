@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ServerOptimConfig", "PSConfig", "OPTIMIZERS"]
+__all__ = ["ServerOptimConfig", "PSConfig", "OPTIMIZERS", "check_clip_mean"]
 
-OPTIMIZERS = ("sgd", "adagrad", "adam")
+OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -30,9 +30,15 @@ class ServerOptimConfig:
     """
 
     kind: str = "adam"
-    """``sgd`` (with ``momentum``), ``adagrad`` or ``adam``."""
+    """``sgd`` (with ``momentum``), ``adagrad``, ``adam`` or ``adamw`` (``torch.optim.AdamW``:
+    decoupled weight decay)."""
     lr: float = 1e-3
-    """Learning rate."""
+    """Learning rate (of every step unless ``lrs`` gives a schedule)."""
+    lrs: tuple[float, ...] = ()
+    """The learning rate of each step, 0-based (a warm-up and decay schedule: the engine's
+    ``lr_at`` over the run, as ``torsh-dist train`` passes it); past its end the last value
+    holds; empty = ``lr`` at every step. A server counts steps as the updates it applied
+    (synchronous mode) or its pushes divided by the workers (SSP and asynchronous)."""
     momentum: float = 0.0
     """SGD momentum (``torch.optim.SGD``'s, dampening 0); ignored by the others (a warning)."""
     beta1: float = 0.9
@@ -42,17 +48,30 @@ class ServerOptimConfig:
     eps: float = 1e-8
     """Adam / Adagrad denominator epsilon (Adagrad's default in torch is 1e-10: set it to match)."""
     weight_decay: float = 0.0
-    """L2 penalty added to the gradient (torch's ``weight_decay``, not AdamW's decoupled one)."""
+    """L2 penalty added to the gradient (torch's ``weight_decay``); ``adamw``: decoupled, the
+    parameter shrinks by ``lr * weight_decay`` before the update."""
+    decay_matrices_only: bool = False
+    """Decay only keys of 2 or more dimensions (biases and norms not), as the engine groups its
+    optimizer's parameters."""
     clip_norm: float = 0.0
     """Clip each push by its global L2 norm (over every key of one ``push()``, across all servers,
     computed by the worker before the push is split): the same as ``clip_grad_norm_`` on that
-    worker's gradient. In synchronous mode each worker's gradient is clipped before averaging.
-    0 = no clipping."""
+    worker's gradient. In synchronous mode each worker's gradient is clipped before averaging,
+    unless ``clip_mean``. 0 = no clipping."""
+    clip_mean: bool = False
+    """Synchronous mode: clip the step's mean gradient (data parallelism's ``clip_grad_norm_``
+    after the all-reduce) instead of each push. With several workers the server does it, so it
+    needs one server (:func:`check_clip_mean` refuses more); with one worker its push is the
+    mean."""
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
             raise ValueError(f"kind must be one of {OPTIMIZERS}, got {self.kind!r}")
         _positive("lr", self.lr)
+        self.lrs = tuple(float(v) for v in self.lrs)
+        for i, value in enumerate(self.lrs):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"lrs[{i}] must be >= 0 and finite, got {value}")
         _positive("momentum", self.momentum, allow_zero=True)
         _positive("eps", self.eps)
         _positive("weight_decay", self.weight_decay, allow_zero=True)
@@ -123,3 +142,14 @@ class PSConfig:
     def mode(self) -> str:
         """``sync``, ``ssp`` or ``async``."""
         return "sync" if self.staleness == 0 else "async" if self.staleness < 0 else "ssp"
+
+
+def check_clip_mean(optim: ServerOptimConfig, ps: PSConfig, *, num_workers: int) -> None:
+    """Refuse what synchronous clipping of the mean gradient cannot do: with several workers the
+    mean exists only on the servers, and each holds part of it (its global norm is nowhere)."""
+    if optim.clip_mean and optim.clip_norm and ps.staleness == 0 and num_workers > 1 and ps.num_servers > 1:
+        raise ValueError(
+            f"synchronous training through {ps.num_servers} servers with {num_workers} workers "
+            "cannot clip the step's mean gradient by its global norm as data parallelism does "
+            "(each server holds part of it): give --grad-clip 0, --ps-servers 1, or one worker"
+        )

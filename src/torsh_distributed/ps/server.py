@@ -160,19 +160,39 @@ class ParameterShard:
                 uniq, inverse = torch.unique(ids, return_inverse=True)
                 summed = torch.zeros(len(uniq), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
                 merged[name] = (uniq, summed)
-            self._apply(slot["dense"], merged, 1.0)
+            self._apply(slot["dense"], merged, self._mean_clip(slot["dense"], merged))
             self.applied += 1
             self._maybe_snapshot()
 
+    def _mean_clip(self, dense: dict[str, torch.Tensor], rows: RowsPayload) -> float:
+        """``clip_mean`` with several workers: the coefficient that clips the step's mean
+        gradient to ``clip_norm`` (``clip_grad_norm_``'s rule); this server holds all of it
+        (``check_clip_mean``)."""
+        cfg = self.optim.config
+        if not (cfg.clip_mean and cfg.clip_norm and self.num_workers > 1):
+            return 1.0
+        grads = [*dense.values(), *(g for _, g in rows.values())]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
+        return float(torch.clamp(cfg.clip_norm / (norm + 1e-6), max=1.0))
+
+    def _lr(self) -> float:
+        """The learning rate of the update about to be applied (``ServerOptimConfig.lrs``)."""
+        cfg = self.optim.config
+        if not cfg.lrs:
+            return cfg.lr
+        step = self.applied if self.config.staleness == 0 else self.applied // self.num_workers
+        return cfg.lrs[min(step, len(cfg.lrs) - 1)]
+
     def _apply(self, dense: dict[str, torch.Tensor], rows: RowsPayload, scale: float) -> None:
+        lr = self._lr()
         for key, grad in dense.items():
-            self.optim.update_dense(key, self.dense[key], grad * scale)
+            self.optim.update_dense(key, self.dense[key], grad * scale, lr=lr)
             self.versions[key] += 1
         for name, (ids, grad) in rows.items():
             if ids.numel() == 0:
                 continue
             local = _shard.local_rows(ids, self.specs[name], self.config.num_servers)
-            self.optim.update_rows(name, self.tables[name], local, grad * scale)
+            self.optim.update_rows(name, self.tables[name], local, grad * scale, lr=lr)
             self.row_versions[name][local] += 1
 
     def pull(self, worker: int, clock: int, keys: list[str], rows: dict[str, torch.Tensor]) -> tuple[

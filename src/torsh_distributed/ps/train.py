@@ -10,7 +10,14 @@ values, and at the end evaluates the servers' final parameters and builds the su
 
 The step's global batch is a pure function of (seed, step): ``batch_size`` consecutive samples of
 a seeded permutation, split across workers by ``shares`` (even by default), so a synchronous run
-sees exactly the samples of a data-parallel run of the same batch size.
+sees exactly the samples of a data-parallel run of the same batch size. ``sampler`` picks the
+engine's own samplers instead (``epoch`` or ``replacement``, :mod:`torsh_distributed.data.sampler`):
+with them, the servers' optimizer and schedule given as the engine's, and the same seed, a
+synchronous run trains as the engine's data-parallel run of the same command.
+
+The summary's ``final_loss`` is the engine's: the mean training loss of the last 10 steps (each
+step's loss over the global batch: the workers' losses weighted by their shares); ``eval_loss``
+evaluates the final parameters on the dataset's first ``eval_samples`` samples.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from torsh_distributed.data.sampler import EpochSampler, GlobalSampler, ReplacementSampler
 from torsh_distributed.ps import _shard, _transport
 from torsh_distributed.ps.client import PSClient, Rows, percentile
-from torsh_distributed.ps.config import PSConfig, ServerOptimConfig
+from torsh_distributed.ps.config import PSConfig, ServerOptimConfig, check_clip_mean
 from torsh_distributed.ps.server import serve_forever
 
 __all__ = ["PSTrainConfig", "run", "batch_indices"]
@@ -63,8 +71,14 @@ class PSTrainConfig:
     """Print worker 0's loss every this many steps; 0 = quiet."""
     summary_json: str = ""
     """Write worker 0's summary here as JSON; empty = don't."""
+    sampler: str = ""
+    """Each step's global batch: ``""`` = :func:`batch_indices`; ``epoch`` or ``replacement`` =
+    the engine's sampler of that kind (``torsh-dist train`` uses the engine's, so a synchronous
+    run sees the samples of the data-parallel run of the same command)."""
 
     def __post_init__(self) -> None:
+        if self.sampler not in ("", "epoch", "replacement"):
+            raise ValueError(f"sampler must be '', 'epoch' or 'replacement', got {self.sampler!r}")
         if self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.batch_size < 1:
@@ -102,6 +116,14 @@ def batch_indices(step: int, *, batch_size: int, num_samples: int, seed: int) ->
     return torch.tensor(out)
 
 
+def _global_sampler(config: PSTrainConfig, num_samples: int) -> GlobalSampler | None:
+    if config.sampler == "replacement":
+        return ReplacementSampler(num_samples, global_batch=config.batch_size, seed=config.seed)
+    if config.sampler == "epoch":
+        return EpochSampler(num_samples, global_batch=config.batch_size, seed=config.seed)
+    return None
+
+
 def _collate(dataset: Any, indices: torch.Tensor, dtype: torch.dtype) -> tuple[Any, Any]:
     items = [dataset[int(i)] for i in indices]
     xs = torch.stack([torch.as_tensor(x) for x, _ in items])
@@ -131,6 +153,7 @@ def run(model_fn: Callable[[], nn.Module], dataset: Any, loss_fn: Callable[[Any,
     if num_workers < 1:
         raise ValueError(f"world of {world} has no room for workers beside {num_servers} servers")
     split = config.split(num_workers)
+    check_clip_mean(config.optim, config.ps, num_workers=num_workers)
     if rank < num_servers:
         torch.set_num_threads(1)
         serve_forever(rank, rank=rank, world_size=world, num_workers=num_workers,
@@ -149,8 +172,10 @@ def run(model_fn: Callable[[], nn.Module], dataset: Any, loss_fn: Callable[[Any,
     _transport.init(_transport.worker_name(worker), rank=rank, world_size=world, host=config.ps.host,
                     timeout_s=config.ps.timeout_s, num_threads=config.ps.num_threads)
     try:
+        # clip_mean with several workers: the server clips the step's mean, not each push
+        server_clips = config.optim.clip_mean and config.ps.staleness == 0 and num_workers > 1
         client = PSClient(worker, num_workers=num_workers, config=config.ps, tables=specs,
-                          clip_norm=config.optim.clip_norm)
+                          clip_norm=0.0 if server_clips else config.optim.clip_norm)
         if worker == 0:
             client.register({k: params[k] for k in dense_keys}, {k: params[k] for k in tables})
         start_step = client.resume()
@@ -168,14 +193,19 @@ def run(model_fn: Callable[[], nn.Module], dataset: Any, loss_fn: Callable[[Any,
             module.register_forward_pre_hook(pull_rows(key))
         losses: list[float] = []
         lo = sum(split[:worker])
+        sampler = _global_sampler(config, len(dataset))
         t0 = time.perf_counter()
         for step in range(start_step, config.max_steps):
             values = client.pull(dense_keys).values
             with torch.no_grad():
                 for key, value in zip(dense_keys, values, strict=True):
                     params[key].copy_(value)
-            idx = batch_indices(step, batch_size=config.batch_size, num_samples=len(dataset),
-                                seed=config.seed)[lo: lo + split[worker]]
+            if sampler is None:
+                idx = batch_indices(step, batch_size=config.batch_size, num_samples=len(dataset),
+                                    seed=config.seed)
+            else:
+                idx = sampler.indices(step)
+            idx = idx[lo: lo + split[worker]]
             x, y = _collate(dataset, idx, dtype)
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
@@ -225,8 +255,14 @@ def _summary(config: PSTrainConfig, model: nn.Module, final: dict[str, torch.Ten
     with torch.no_grad():
         n = min(config.eval_samples, len(dataset))
         x, y = _collate(dataset, torch.arange(n), dtype)
-        final_loss = float(loss_fn(model(x), y))
+        eval_loss = float(loss_fn(model(x), y))
     workers = [servers[0]["workers"][w] for w in sorted(servers[0]["workers"])]
+    split = config.split(len(workers))
+    steps = min(len(w["losses"]) for w in workers)
+    # each step's loss over the global batch: the workers' mean losses weighted by their shares
+    losses = [sum(s / config.batch_size * w["losses"][i] for s, w in zip(split, workers, strict=True))
+              for i in range(steps)]
+    tail = losses[-10:]
     staleness: Counter[int] = Counter()
     for s in servers:
         staleness.update({int(k): v for k, v in s["staleness"].items()})
@@ -242,7 +278,9 @@ def _summary(config: PSTrainConfig, model: nn.Module, final: dict[str, torch.Ten
         "steps": config.max_steps,
         "wall_s": wall,
         "samples_per_s": samples / wall if wall > 0 else 0.0,
-        "final_loss": final_loss,
+        "final_loss": sum(tail) / len(tail) if tail else float("nan"),
+        "eval_loss": eval_loss,
+        "losses": losses,
         "staleness_histogram": dict(sorted(staleness.items())),
         "max_staleness": max(staleness) if staleness else 0,
         "push_ms_p50": 1e3 * percentile(push, 50),
@@ -274,7 +312,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"parameter server ({summary['mode']}, s={summary['staleness_bound']}, "
         f"{summary['num_servers']} servers x {summary['num_workers']} workers, {summary['optimizer']}): "
         f"{summary['steps']} steps in {summary['wall_s']:.2f} s, {summary['samples_per_s']:.1f} samples/s, "
-        f"final loss {summary['final_loss']:.4f}\n"
+        f"final loss {summary['final_loss']:.4f} (last 10 steps), eval loss {summary['eval_loss']:.4f}\n"
         f"  staleness histogram {summary['staleness_histogram']} (max {summary['max_staleness']})\n"
         f"  push p50/p99 {summary['push_ms_p50']:.2f}/{summary['push_ms_p99']:.2f} ms, "
         f"pull p50/p99 {summary['pull_ms_p50']:.2f}/{summary['pull_ms_p99']:.2f} ms, "

@@ -48,6 +48,7 @@ def _ps(staleness: int, steps: int, batch: int, lr: float) -> dict | None:
     out = run(_model, _data(), nn.functional.cross_entropy, cfg)
     if out is not None:
         out.pop("params")
+        out["final_loss"] = out.pop("eval_loss")  # the final parameters on the first batch, as DDP's val_loss
     return out
 
 

@@ -29,7 +29,8 @@ FINAL_LINES = {
     "tp_plan.py": rf"final loss {_FLOAT} with tp=2",
     "pipeline_split.py": rf"final loss {_FLOAT}, layout (\{{'dp': 1, 'tp': 1, 'pp': 2, 'ep': 1\}})",
 }
-COVERED = {*FINAL_LINES, "own_loop.py", "factories.py", "ray_dask.py", "federated_digits.py"}
+COVERED = {*FINAL_LINES, "own_loop.py", "factories.py", "ray_dask.py", "federated_digits.py",
+           "hf_llama.py"}
 
 
 def _env() -> dict[str, str]:
@@ -148,6 +149,14 @@ def test_factories_through_torsh_dist_train() -> None:
     )
     assert re.search(r"^\[rank0\]: \| steps\s+\|\s+6 \|$", stdout, re.MULTILINE), stdout[-4000:]
     assert re.search(rf"^\[rank0\]: \| validation loss\s+\|\s+{_FLOAT} \|$", stdout, re.MULTILINE)
+
+
+def test_hf_llama_example_exports_what_transformers_loads(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the hf extra is not installed: pip install '.[hf]'")
+    stdout = run_example("hf_llama.py", "--workdir", str(tmp_path / "hf"))
+    pattern = (rf"final loss {_FLOAT}; FSDP units model\.layers\.\*; transformers logits "
+               r"equal ours: (yes)")
+    assert float(final_values(stdout, pattern, nproc=2)[0]) > 0
 
 
 @pytest.mark.timeout(150)

@@ -38,6 +38,7 @@ def write_tiny_llama(
     weights: bool = False,
     hidden_size: int = 32,
     num_layers: int = 2,
+    context: int = 64,
     seed: int = 0,
 ) -> Path:
     """Save a tiny ``LlamaForCausalLM`` config (and, with ``weights``, random weights) plus a
@@ -63,7 +64,7 @@ def write_tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=context,
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,

@@ -353,8 +353,9 @@ class Run:
         )
         self._stack.push(lambda kind, *_: self.monitor.close(failed=kind is not None))
         self._stack.callback(self.progress.close)
-        self.monitor.track_params({**cfg.to_dict(), "model": self.engine.name, "num_params": self.built.num_params,
-                                   "world_size": runtime.world_size, "backend": runtime.backend})
+        self.monitor.track_params({**cfg.to_dict(), **self.engine.settings, "run": {  # TensorBoard, MLflow
+            "model": self.engine.name, "num_params": self.built.num_params, "world_size": runtime.world_size,
+            "backend": runtime.backend}})
         self.energy = EnergyTracker(  # reads a counter: losses are the same with it off
             cfg.energy, cfg.carbon, rank=runtime.rank, device=self.device,
             samples_per_step=per_dp if counts else 0,

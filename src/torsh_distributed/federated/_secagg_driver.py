@@ -74,9 +74,16 @@ class CountingGrid:
     replies every ``poll`` seconds (Flower's ``send_and_receive`` sleeps 3 s between pulls,
     which SecAgg+'s four exchanges per round would pay four times)."""
 
-    def __init__(self, grid: Any, *, poll: float = 0.25) -> None:
+    def __init__(self, grid: Any, *, poll: float = 0.25, after_first: float = 0.0, silent_grace: float = 0.0) -> None:
         self.grid = grid
         self.poll = poll
+        self.after_first = after_first
+        """A stage never closes sooner than this many seconds after its first reply: when the
+        host slows down after the start-up probe (another job starts), every ClientApp starts
+        late, and the first answer says so; the others get the stage's own wait from there."""
+        self.silent_grace = silent_grace
+        """A stage nobody has answered by its deadline waits up to this much longer for a first
+        answer (the start-up probe's own limit) before it closes empty."""
         self.stage = ""
         self.stage_bytes: dict[str, dict[str, int]] = {}
         self.node_up: dict[int, int] = {}
@@ -102,12 +109,16 @@ class CountingGrid:
     def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
         pending = set(self.grid.push_messages(messages))
         deadline = math.inf if timeout is None else time.monotonic() + timeout
+        cap = deadline + self.silent_grace
         replies: list[Message] = []
         while pending:
             got = list(self.grid.pull_messages(pending))
+            now = time.monotonic()
+            if got and not replies:  # the first answer: the others get `after_first` from here
+                deadline = max(deadline, now + self.after_first)
             replies += got
             pending -= {m.metadata.reply_to_message_id for m in got}
-            if not pending or time.monotonic() >= deadline:
+            if not pending or (now >= deadline and (replies or now >= cap)):
                 break
             time.sleep(self.poll)
         return replies

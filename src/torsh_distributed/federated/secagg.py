@@ -17,6 +17,10 @@ Before the first stage every node gets a start-up probe (a ``query.startup`` mes
 :data:`secagg_client_app` answers at once): a SuperNode starts a ClientApp process per message,
 and the time until the last node answered is added to every stage's timeout, so that a stage
 never closes on live clients that were still starting (a 2-core host took 15-20 s for five).
+The host may slow down after the probe (another job starts): a stage also never closes sooner
+than ``timeout`` after its first answer, since every ClientApp of the stage then starts late,
+and a stage nobody answered by its deadline waits up to the probe's ``start_timeout`` more for a
+first answer before it closes empty.
 
 A client that dies after ``share_keys`` is tolerated while every client keeps at least
 ``reconstruction_threshold`` live neighbours. A client that dies *during* ``setup`` or
@@ -306,8 +310,9 @@ def secagg_round(
         global_state: The global weights (CPU state dict); the result has the same keys/dtypes.
         node_ids: The round's sampled nodes (at least 2).
         timeout: Seconds each of the four stages waits for answers beyond the nodes' measured
-            start-up (see ``start_timeout``): a dead client costs one wait; the round takes at
-            most ``start_timeout + 4 * (timeout + start-up)``. Training happens in the third.
+            start-up (see ``start_timeout``), and at least this long after the stage's first
+            answer (a host that slowed down after the probe): a dead client costs one wait.
+            Training happens in the third.
         num_shares: See :func:`check_secagg` (0 = all; more than the round's clients = all).
         reconstruction_threshold: See :func:`check_secagg`.
         clipping_range: ``c``; see the module docstring's bound.
@@ -379,7 +384,7 @@ def secagg_round(
     steps += (workflow.collect_masked_vectors_stage, workflow.unmask_stage)
     stages = dict(zip(STAGES, steps, strict=True))
     state = WorkflowState()
-    counting = _secagg_driver.CountingGrid(grid)
+    counting = _secagg_driver.CountingGrid(grid, after_first=timeout, silent_grace=start_timeout)
     active: dict[str, int] = {}
     stage_seconds: dict[str, float] = {}
     completed_ids: set[int] = set()

@@ -162,9 +162,15 @@ class TensorBoardSink:
     def _scalars(self, values: Mapping[str, float], step: int) -> None:
         if self._writer is None:
             self.start()
-        walltime = time.time()
-        for key, value in values.items():
-            self._writer.add_scalar(key, value, global_step=step, walltime=walltime)
+        if not values:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # One event holding every value of the step: add_scalar's event per value cost ~0.25 ms
+        # each on a loaded 2-core host (~90 values per aggregation). The same call add_scalar
+        # ends in; readers see the same scalars.
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self._writer._get_file_writer().add_summary(summary, step, time.time())  # noqa: SLF001
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """The parameters as one markdown table (TensorBoard's Text tab, tag ``params``;

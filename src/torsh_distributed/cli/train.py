@@ -40,6 +40,9 @@ __all__ = ["register", "add_config_arguments", "config_from_args", "main"]
 _EPILOG = """\
 examples:
   torsh-dist train --nproc-per-node 2 --preset tiny
+  # a Hugging Face model, tokenizer and local data (docs/huggingface.md); --tp 2 uses its own plan
+  torsh-dist train --nproc-per-node 2 --model hf:models/llama \\
+      --dataset hf:corpus.jsonl,seq_len=128 --zero-stage 3 --checkpoint-dir runs/llama
   # your own model: factories named MODULE:FUNCTION (a module name or a .py file)
   torsh-dist train --nproc-per-node 2 --model examples/factories.py:make_model \\
       --dataset examples/factories.py:make_dataset --zero-stage 3 --max-steps 100
@@ -234,13 +237,17 @@ def add_user_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--model", dest="user_model", metavar="MODULE:FUNCTION",
                        help="function returning the torch.nn.Module to train (called on every "
-                       "rank under --seed)")
+                       "rank under --seed), or hf:DIR: a Hugging Face causal LM (a save_pretrained "
+                       "directory or config.json; docs/huggingface.md)")
     group.add_argument("--dataset", dest="user_dataset", metavar="MODULE:FUNCTION",
-                       help="function returning a map-style dataset of (input, target) pairs")
+                       help="function returning a map-style dataset of (input, target) pairs, or "
+                       "hf:FILE[,seq_len=N][,field=NAME] (jsonl/json/parquet/csv/txt, tokenized "
+                       "with the hf: model's tokenizer and packed)")
     group.add_argument("--val-dataset", dest="user_val_dataset", metavar="MODULE:FUNCTION",
                        help="function returning the validation dataset (default: none)")
     group.add_argument("--loss", dest="user_loss", metavar="MODULE:FUNCTION",
-                       help="function (output, target) -> scalar loss (default: cross-entropy)")
+                       help="function (output, target) -> scalar loss (default: cross-entropy; "
+                       "hf: the Hugging Face model's own loss)")
     group.add_argument("--tp-plan", dest="user_tp_plan", metavar="MODULE:FUNCTION",
                        help="function returning a TPPlan (or {module pattern: style}) for --tp")
 

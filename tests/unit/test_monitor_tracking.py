@@ -107,6 +107,8 @@ def test_mlflow_run_in_a_sqlite_store(tmp_path: Path):
     ]
     assert run.data.metrics["summary/final_loss"] == pytest.approx(result.final_loss)
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"summary.json"}
+    # the artefacts sit beside the database, not in ./mlruns of the directory the run started in
+    assert (tmp_path / "mlartifacts").is_dir() and not Path("mlruns").exists()
 
 
 def test_settings_are_refused_at_construction():

@@ -381,7 +381,7 @@ def open_mlflow(tracking_uri: str, experiment: str) -> tuple[Any, str]:
                 return client, client.get_experiment_by_name("Default").experiment_id
             found = client.get_experiment_by_name(experiment)
             if found is None:
-                return client, client.create_experiment(experiment)
+                return client, client.create_experiment(experiment, artifact_location=_artifact_root(tracking_uri))
             if found.lifecycle_stage != "active":
                 raise ValueError(
                     f"MLflow experiment {experiment!r} is deleted at {tracking_uri}: restore it or "
@@ -393,6 +393,16 @@ def open_mlflow(tracking_uri: str, experiment: str) -> tuple[Any, str]:
     except Exception as exc:  # MlflowException, requests' ConnectionError, an unknown scheme...
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"MLflow tracking URI {tracking_uri!r} is not usable: {reason}") from exc
+
+
+def _artifact_root(tracking_uri: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artefacts: ``mlartifacts/`` beside the
+    database (MLflow's default is ``./mlruns`` of whatever directory the run started in);
+    ``None``: the store's own default (a server decides for itself)."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    return (Path(tracking_uri[len(prefix):]).resolve().parent / "mlartifacts").as_uri()
 
 
 def check_writable_dir(path: Path, what: str) -> None:

@@ -108,7 +108,7 @@ def test_a_config_flag_of_a_users_script_is_left_to_the_script() -> None:
 
 def _summary(path: Path) -> dict[str, float]:
     data = json.loads(path.read_text())
-    return {k: data[k] for k in ("steps", "losses", "val_loss", "num_params", "layout")}
+    return {k: data[k] for k in ("steps", "initial_loss", "final_loss", "val_loss", "num_params", "layout")}
 
 
 def test_the_printed_config_runs_the_same_training(tmp_path: Path) -> None:

@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from torsh_distributed.monitor import alerts as A
+from torsh_distributed.monitor._step_setup import check_names, default_device, health_watch
 from torsh_distributed.monitor._trackers import TrackerSet
 from torsh_distributed.monitor.anomaly import AnomalyTracker
 from torsh_distributed.monitor.config import MonitorConfig
@@ -53,71 +53,12 @@ from torsh_distributed.monitor.sinks import MetricsSink, RunTracker, json_safe
 from torsh_distributed.monitor.trace import PhaseTrace
 from torsh_distributed.runtime import world
 
-if TYPE_CHECKING:
-    from torsh_distributed.elastic.watch import HealthWatch
-
 __all__ = ["StepMonitor", "SLOW_RANK_ENV"]
 
 SLOW_RANK_ENV = "TORSH_MONITOR_TEST_SLOW_RANK"
 """Test hook: ``RANK:SECONDS`` makes that rank sleep SECONDS in the data phase of every step."""
 
 _ANOMALY_METRICS = ("step_time_max", "loss", "tokens_per_s", "grad_norm_median")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-def _default_device() -> torch.device | None:
-    """Device of the aggregation tensor: the process group's (None = CPU)."""
-    runtime = world.current()
-    if runtime is not None:
-        return runtime.device
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def _check_names(names: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(names, str):
-        raise TypeError(f"custom_metrics must be a sequence of names, not the string {names!r}")
-    seen: set[str] = set()
-    for name in names:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(
-                f"custom_metrics: {name!r} is not a valid name (letters, digits and _, not starting "
-                "with a digit)"
-            )
-        if name in seen:
-            raise ValueError(f"custom_metrics: {name!r} is declared twice")
-        seen.add(name)
-    return tuple(names)
-
-
-def _health_watch(
-    config: MonitorConfig,
-    *,
-    rank: int | None,
-    world_size: int | None,
-    echo: Callable[[str], None] | None,
-) -> HealthWatch | None:
-    """The job's heartbeats (multi-rank process groups with ``health_interval`` > 0)."""
-    if not config.health_interval or not dist.is_initialized():
-        return None
-    size = dist.get_world_size() if world_size is None else world_size
-    if size < 2:
-        return None
-    from torsh_distributed.checkpoint.progress import node_label
-    from torsh_distributed.elastic.watch import HealthWatch
-
-    return HealthWatch(
-        dist.distributed_c10d._get_default_store(),
-        rank=dist.get_rank() if rank is None else rank,
-        world_size=size,
-        interval_s=config.health_interval,
-        failed_after_intervals=config.health_failed_after,
-        info={"node": world.node_rank(), "host": node_label()},
-        echo=echo,
-    ).start()
-
-
 class StepMonitor:
     """Per-rank step timings, cross-rank aggregation, alerts, sinks and the end-of-run report.
 
@@ -172,7 +113,7 @@ class StepMonitor:
         self.config = config
         self.on = config.active
         self.report: Report | None = None
-        self.custom_metrics = _check_names(custom_metrics)
+        self.custom_metrics = check_names(custom_metrics)
         self._custom_index = {name: i for i, name in enumerate(self.custom_metrics)}
         for i, sink in enumerate(sinks):
             if not isinstance(sink, MetricsSink):
@@ -180,7 +121,7 @@ class StepMonitor:
                     f"sinks[{i}] ({type(sink).__name__}) is not a MetricsSink: it needs "
                     "update(agg, *, alerts_by_severity, anomalies) and close()"
                 )
-        self.health = _health_watch(config, rank=rank, world_size=world_size, echo=echo)
+        self.health = health_watch(config, rank=rank, world_size=world_size, echo=echo)
         self._comm_wait_s: float | None = None  # of the last step, for the health watch
         if not self.on:
             if sinks:
@@ -200,7 +141,7 @@ class StepMonitor:
         if self.local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
         self.main = self.rank == 0
-        self.device = _default_device() if device is None else device
+        self.device = default_device() if device is None else device
         self.max_steps = max_steps
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self._echo: Callable[[str], None] = echo or (lambda text: print(text, flush=True))

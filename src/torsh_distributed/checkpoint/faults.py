@@ -6,6 +6,8 @@
 * ``kill-in-save:rank=R:step=S``: rank R sends itself SIGKILL right after starting the save of
   step S (an asynchronous save is then still being written);
 * ``slow:rank=R:ms=M``: rank R sleeps M milliseconds in every step (a straggler);
+* ``kill-in-replication:rank=R:step=S``: rank R sends itself SIGKILL after writing the first file
+  of a peer's replica of step S (``checkpoint.peer_replicas``): a half-written replica;
 * ``stop:rank=R:step=S``: rank R sends itself SIGSTOP after completing step S (a hung rank: alive,
   silent, holding its peers in the next collective).
 
@@ -25,9 +27,11 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["Fault", "parse", "active", "on_step_end", "on_save_started", "log_event"]
+__all__ = [
+    "Fault", "parse", "active", "on_step_end", "on_save_started", "on_replica_written", "log_event",
+]
 
-KINDS = ("kill", "kill-in-save", "slow", "stop")
+KINDS = ("kill", "kill-in-save", "kill-in-replication", "slow", "stop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,3 +135,15 @@ def on_save_started(step: int, rank: int, faults: list[Fault]) -> None:
             and _in_attempt(fault, 0)
         ):
             _kill(rank, step, "save")
+
+
+def on_replica_written(step: int, rank: int) -> None:
+    """Apply ``kill-in-replication`` faults once ``rank`` wrote a file of a replica of ``step``."""
+    for fault in active():
+        if (
+            fault.kind == "kill-in-replication"
+            and fault.rank == rank
+            and fault.step == step
+            and _in_attempt(fault, 0)
+        ):
+            _kill(rank, step, "replication")

@@ -25,7 +25,9 @@ A kill at any moment leaves either a committed, verifiable checkpoint or a ``.tm
 is ignored and removed by the next manager. Loading verifies the chosen checkpoint first; a missing,
 partial or corrupt checkpoint is reported (file and reason) and the next older one is tried.
 
-Requires a file system every rank sees at the same path (one node, or a shared mount).
+Requires a file system every rank sees at the same path (one node, or a shared mount), unless
+``peer_replicas`` is set: then each host keeps its own directory and its ranks' files are
+replicated to other hosts (:mod:`~torsh_distributed.checkpoint.peer`).
 Background saves run collectives on a dedicated Gloo group so they never interleave with the
 training loop's collectives on the default group.
 """
@@ -67,6 +69,7 @@ from torsh_distributed.checkpoint._state import (
     zero1_optim_state,
 )
 from torsh_distributed.checkpoint.catalog import CheckpointInfo, latest_valid, scan, step_dir_name
+from torsh_distributed.checkpoint.peer import PeerReplicator
 from torsh_distributed.checkpoint.resume import capture_rng, restore_rng
 from torsh_distributed.comm.dims import side_group
 from torsh_distributed.runtime.errors import CheckpointError
@@ -149,6 +152,11 @@ class CheckpointManager:
             model's fused ``qkv`` rows are permuted per tensor-parallel degree: ``{"tp": 2}``);
             stored in ``meta.json``. :meth:`load` refuses a checkpoint with another layout
             before reading any tensor (missing = ``{}``, the plain layout).
+        peer_replicas: 0 = ``directory`` is one file system that every rank sees. ``k >= 1`` =
+            each host has a directory of its own, and every rank's files are also kept by ``k``
+            other hosts (:mod:`~torsh_distributed.checkpoint.peer`), so a resume survives the
+            loss of up to ``k`` hosts' directories. Costs ``k`` times each rank's shard bytes on
+            the network and on other disks per save, in the background; needs ``k + 1`` hosts.
     """
 
     def __init__(
@@ -164,9 +172,12 @@ class CheckpointManager:
         layout: Mapping[str, Any] | None = None,
         settings: Mapping[str, Any] | None = None,
         expected_changes: Collection[str] = (),
+        peer_replicas: int = 0,
     ) -> None:
         if keep_last < 0 or keep_best < 0 or every_steps < 0 or every_s < 0:
             raise ValueError("keep_last, keep_best, every_steps and every_s must be >= 0")
+        if peer_replicas < 0:
+            raise ValueError(f"peer_replicas must be >= 0, got {peer_replicas}")
         self.directory = Path(directory)
         self.keep_last, self.keep_best = keep_last, keep_best
         self.every_steps, self.every_s = every_steps, every_s
@@ -183,6 +194,18 @@ class CheckpointManager:
             side_group("checkpoint-save") if _distributed() or _default_group_lacks_cpu() else None
         )
         self._ctl_group = side_group("checkpoint-control") if _distributed() else None
+        self._peer: PeerReplicator | None = None
+        if peer_replicas:
+            if self._ctl_group is None:
+                raise ValueError(
+                    "peer_replicas needs a distributed job on several hosts; this one has 1 rank"
+                )
+            try:
+                self._peer = PeerReplicator(
+                    self.directory, replicas=peer_replicas, group=self._ctl_group
+                )
+            except ValueError as exc:
+                raise CheckpointError(str(exc), rank=self.rank, operation="checkpoint.init") from None
         self._pending: threading.Event | None = None
         self._error: BaseException | None = None
         self._last_save_time = time.monotonic()
@@ -195,12 +218,20 @@ class CheckpointManager:
         # copy itself for small models. A changed tensor set (see _state.fingerprint) rebuilds them.
         self._cache: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._stager: ReusedBuffersStager | None = None
-        if self.rank == 0:
+        # With peer replicas every host owns its directory; otherwise rank 0 owns the shared one.
+        if self._peer.is_lead if self._peer is not None else self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(f"{_TMP_PREFIX}*"):
                 log.info("removing partial checkpoint %s (a save that never committed)", stale)
                 shutil.rmtree(stale, ignore_errors=True)
         self._barrier()
+        if self._peer is not None and self._ctl_group is not None:
+            self._peer.check_distinct(self._ctl_group)
+
+    @property
+    def peer(self) -> PeerReplicator | None:
+        """The replicator when ``peer_replicas`` is set (its ``stats`` count the bytes moved)."""
+        return self._peer
 
     # --- control -------------------------------------------------------------------------------
 
@@ -370,8 +401,13 @@ class CheckpointManager:
             done.set()
 
     def _commit(self, tmp: Path, final: Path, step: int, metric: float | None) -> None:
-        """Rank 0: manifest, marker, rename, prune. Runs after every rank finished writing."""
-        if self.rank == 0:
+        """Rank 0: manifest, marker, rename, prune. Runs after every rank finished writing.
+        With peer replicas: every host, after the replication (collective on the save group)."""
+        if self._peer is not None and self._save_group is not None:
+            self._peer.commit(tmp, final, step, self._save_group)
+            if self._peer.is_lead:
+                self._prune()
+        elif self.rank == 0:
             digest = manifest.write_manifest(tmp)
             manifest.write_marker(tmp, step=step, manifest_sha256=digest)
             if final.exists():
@@ -469,7 +505,15 @@ class CheckpointManager:
         """
         self.wait()
         self._cache, self._stager = None, None  # loading may replace optimizer state tensors
+        peer_skipped: list[str] = []
+        if self._peer is not None and self._ctl_group is not None and path is None:
+            # every host first assembles a complete local copy of the newest restorable step
+            step, peer_skipped = self._peer.restore(self._ctl_group)
+            if step is None:
+                return None
+            path = self.directory / step_dir_name(step)
         chosen, skipped = self._choose(path)
+        skipped = peer_skipped + skipped
         if chosen is None:
             return None
         meta = json.loads((chosen / manifest.META).read_text())

@@ -12,6 +12,7 @@ from torsh_distributed.checkpoint.config import CheckpointConfig
 from torsh_distributed.comm.config import CommConfig
 from torsh_distributed.compression.config import CompressionConfig
 from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
+from torsh_distributed.ft.config import FTConfig
 from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
@@ -130,6 +131,8 @@ class EngineConfig:
     """Energy meter of every rank: --energy.meter auto|rapl|nvml|estimate|off (docs/energy.md)."""
     carbon: CarbonConfig = field(default_factory=CarbonConfig)
     """Grid carbon intensity: --carbon.intensity G, --carbon.series FILE or --carbon.region CODE."""
+    ft: FTConfig = field(default_factory=FTConfig)
+    """Fault-tolerant replica groups: --ft.replica-groups R (docs/fault-tolerance.md)."""
     max_steps: int = 200
     """Optimizer steps to run."""
     batch_size: int = 32
@@ -170,6 +173,7 @@ class EngineConfig:
                 f"backend must be one of auto, gloo, nccl, gloo+shm; got {self.backend!r}"
             )
         _check_onebit(self)
+        _check_ft(self)
         if self.carbon.scale and not self.checkpoint.dir:
             raise ValueError(
                 "carbon.scale needs --checkpoint.dir DIR: a change of world size restarts the "
@@ -254,6 +258,35 @@ def _check_onebit(cfg: EngineConfig) -> None:
         raise ValueError(
             f"--optimizer {name} replaces DDP's gradient all-reduce: drop --comm-algorithm "
             f"{cfg.comm.algorithm} ({instead} with it)"
+        )
+
+
+def _check_ft(cfg: EngineConfig) -> None:
+    """Refuse what replica groups cannot serve yet (each refusal names the setting)."""
+    if not cfg.ft.enabled:
+        return
+    par, groups = cfg.parallel, cfg.ft.replica_groups
+    for axis in ("tp", "pp", "ep"):
+        if getattr(par, axis) > 1:
+            raise ValueError(
+                f"ft.replica_groups {groups} runs DDP or ZeRO inside each group: it cannot run "
+                f"with --{axis} {getattr(par, axis)} yet"
+            )
+    for what, on in (
+        ("--compression", cfg.compression.enabled),
+        (f"--optimizer {cfg.optim.optimizer}", cfg.optim.optimizer in ONEBIT),
+        ("--checkpoint-dir", bool(cfg.checkpoint.dir)),
+        ("--carbon.scale", cfg.carbon.scale),
+        ("--param-dtype fp16", par.param_dtype == "fp16"),
+    ):
+        if on:
+            raise ValueError(
+                f"ft.replica_groups {groups} does not support {what} yet (its state is not "
+                "transferred to a restarted group); drop it or use ft.replica_groups 1"
+            )
+    if cfg.batch_size % groups:
+        raise ValueError(
+            f"batch_size {cfg.batch_size} is not divisible by ft.replica_groups {groups}"
         )
 
 

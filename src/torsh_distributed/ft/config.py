@@ -1,0 +1,57 @@
+"""The ``ft`` section: fault-tolerant replica groups (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torsh_distributed._checks import positive as _positive
+
+__all__ = ["FTConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class FTConfig:
+    """Replica groups: the data-parallel ranks split into groups that fail and heal alone.
+
+    With ``replica_groups`` R > 1 the job's ranks form R groups of equal size (each runs DDP or
+    ZeRO inside); the groups average their gradients through torchft's fault-tolerant all-reduce.
+    A dead rank restarts only its own group, which then takes the live state from a healthy
+    group over the network (docs/fault-tolerance.md, "Replica groups").
+    """
+
+    replica_groups: int = field(default=1, metadata={"flags": []})
+    """Number of replica groups R (1 = off: a dead rank restarts every rank). The ranks
+    (``--nproc-per-node``) must be a multiple of R; batch_size a multiple of the ranks."""
+    max_restarts: int = field(default=3, metadata={"flags": []})
+    """Restarts of one group before it is given up (the job then goes on without it while
+    ``min_groups`` groups remain)."""
+    backoff_s: float = field(default=0.5, metadata={"flags": []})
+    """Wait before a group's first restart, doubled at each further restart of that group."""
+    min_groups: int = field(default=1, metadata={"flags": []})
+    """The job stops with an error when fewer groups than this are left (given up, or all
+    down at once: nothing healthy to heal from)."""
+    heartbeat_timeout_s: float = field(default=1.0, metadata={"flags": []})
+    """A group silent this long leaves the quorum (torchft's lighthouse heartbeat): the healthy
+    groups' stall after a kill is about this long. Too low on a loaded host evicts live groups
+    (they then heal and rejoin: slower, still correct)."""
+    timeout_s: float = field(default=30.0, metadata={"flags": []})
+    """Timeout of the cross-group all-reduce, the commit vote and the state transfer."""
+
+    def __post_init__(self) -> None:
+        for name in ("replica_groups", "min_groups"):
+            _positive("ft", name, getattr(self, name))
+        if self.max_restarts < 0:
+            raise ValueError(f"ft.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.backoff_s < 0:
+            raise ValueError(f"ft.backoff_s must be >= 0, got {self.backoff_s}")
+        _positive("ft", "heartbeat_timeout_s", self.heartbeat_timeout_s)
+        _positive("ft", "timeout_s", self.timeout_s)
+        if self.min_groups > self.replica_groups:
+            raise ValueError(
+                f"ft.min_groups ({self.min_groups}) cannot exceed ft.replica_groups "
+                f"({self.replica_groups})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.replica_groups > 1

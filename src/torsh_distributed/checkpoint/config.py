@@ -29,6 +29,11 @@ class CheckpointConfig:
     """``auto`` (newest valid checkpoint in ``dir``, if any), ``never``, or a checkpoint path."""
     save_final: bool = field(default=True, metadata={"negatable": True})
     """Save a checkpoint after the last step (when ``dir`` is set)."""
+    peer_replicas: int = 0
+    """0: ``dir`` is one file system every rank sees (one host, or a shared mount). k >= 1: each
+    host keeps its own local ``dir`` and every rank's files are also copied to k other hosts in
+    the background after each save (SHA-256 verified), so a resume survives losing up to k hosts'
+    directories; needs k + 1 hosts, costs k x each rank's shard bytes on network and disk."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -43,6 +48,16 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_best must be >= 0, got {self.keep_best}")
         if not self.resume:
             raise ValueError("checkpoint.resume must be auto, never or a checkpoint path; got ''")
+        if self.peer_replicas < 0:
+            raise ValueError(f"checkpoint.peer_replicas must be >= 0, got {self.peer_replicas}")
+        if self.peer_replicas and not self.dir:
+            raise ValueError("checkpoint.peer_replicas needs checkpoint.dir (--checkpoint-dir DIR)")
+        if self.peer_replicas and self.keep_last == 1:
+            raise ValueError(
+                "checkpoint.keep_last must be 0 or >= 2 with checkpoint.peer_replicas: hosts "
+                "commit one after another, so the newest step may be incomplete after a kill "
+                "and the previous one must still be there"
+            )
         if (self.every or self.every_s) and not self.dir:
             raise ValueError(
                 "checkpoint.every / checkpoint.every_s need checkpoint.dir (--checkpoint-dir DIR)"

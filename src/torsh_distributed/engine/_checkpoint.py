@@ -150,6 +150,7 @@ class RunCheckpoint:
                 layout=layout,
                 settings=settings,
                 expected_changes=_SCHEDULE,
+                peer_replicas=self.section.peer_replicas,
             )
         self.saving = bool(self.section.dir)
         self.settings = dict(settings)

@@ -1,0 +1,161 @@
+"""Link bandwidth and latency estimated from the collectives' own timings (torch-free).
+
+Every all-reduce the priority scheduler issues during training is a measurement: ``n`` bytes
+per rank took ``t`` seconds of the link's time. An alpha-beta model ``t = alpha + n / B``
+fitted by least squares over recent messages of several sizes gives the per-message latency
+``alpha`` and the algorithm bandwidth ``B``; the link rate is the *bus* bandwidth
+``B * 2 (p - 1) / p`` (a ring all-reduce sends ``2 (p - 1) / p`` of the message over each
+rank's link, the convention of nccl-tests' ``busbw``). On 2 ranks it equals ``B``.
+
+The estimator is fed by :class:`~torsh_distributed.parallel.priority.PriorityDataParallel`
+(payload chunks and the small readiness messages give the spread of sizes the fit needs) and
+read by the monitor (``comm_bandwidth_mbit``, ``comm_latency_ms``), the summary
+(``comm.bandwidth``) and the ``auto`` partition and credit (:func:`choose_partition`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["BandwidthEstimator", "LinkEstimate", "choose_partition"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkEstimate:
+    """One fit of the alpha-beta model."""
+
+    alpha_s: float
+    """Per-message latency (seconds): the intercept of time against message size."""
+    bandwidth_bytes_s: float
+    """Bus bandwidth (bytes/s on each rank's link): ``2 (p - 1) / p`` bytes per byte reduced,
+    divided by the fitted seconds per byte."""
+    samples: int
+    """Messages the fit used (after dropping outliers)."""
+    sizes: int
+    """Distinct message sizes among them (one size cannot separate latency from bandwidth)."""
+
+    @property
+    def bandwidth_mbit(self) -> float:
+        """The bus bandwidth in Mbit/s (the unit of ``tc ... rate``)."""
+        return self.bandwidth_bytes_s * 8 / 1e6
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "bandwidth_mbit": round(self.bandwidth_mbit, 3),
+            "bandwidth_bytes_s": round(self.bandwidth_bytes_s, 1),
+            "latency_ms": round(self.alpha_s * 1e3, 4),
+            "samples": self.samples,
+            "sizes": self.sizes,
+        }
+
+
+class BandwidthEstimator:
+    """Alpha-beta fit over the last ``window`` (bytes, seconds) samples of all-reduces.
+
+    Args:
+        world_size: Ranks taking part in the all-reduces (sets the bus factor ``2 (p - 1) / p``).
+        window: Samples kept; older ones are forgotten, so a link that changes is followed
+            within about ``window`` messages (larger = steadier, slower to follow).
+    """
+
+    def __init__(self, *, world_size: int, window: int = 512) -> None:
+        if world_size < 2:
+            raise ValueError(f"world_size must be >= 2 for a link estimate, got {world_size}")
+        if window < 4:
+            raise ValueError(f"window must be >= 4, got {window}")
+        self.world_size = world_size
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.total_bytes = 0
+        self.total_seconds = 0.0
+
+    @property
+    def bus_factor(self) -> float:
+        return 2 * (self.world_size - 1) / self.world_size
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        """Record that an all-reduce of ``nbytes`` per rank held the link for ``seconds``."""
+        if nbytes < 0 or not seconds > 0 or not math.isfinite(seconds):
+            return  # a clock that did not move says nothing
+        self._samples.append((float(nbytes), float(seconds)))
+        self.total_bytes += nbytes
+        self.total_seconds += seconds
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def estimate(self) -> LinkEstimate | None:
+        """The fit, or ``None`` with fewer than 4 samples or fewer than 2 message sizes.
+
+        Least squares of ``t`` on ``n``, refitted once without the samples further than 4
+        median absolute deviations from the line (a message delayed by a busy host). A slope
+        that is not positive (noise swamped the sizes) falls back to the aggregate rate of the
+        largest messages with zero latency.
+        """
+        samples = list(self._samples)
+        if len(samples) < 4 or len({n for n, _ in samples}) < 2:
+            return None
+        fit = _fit(samples)
+        if fit is not None:
+            alpha, slope = fit
+            residuals = [abs(t - alpha - slope * n) for n, t in samples]
+            mad = sorted(residuals)[len(residuals) // 2]
+            kept = [s for s, r in zip(samples, residuals, strict=True) if r <= 4 * mad + 1e-12]
+            if len(kept) >= 4 and len({n for n, _ in kept}) >= 2 and len(kept) < len(samples):
+                refit = _fit(kept)
+                if refit is not None:
+                    (alpha, slope), samples = refit, kept
+        if fit is None or slope <= 0:
+            biggest = max(n for n, _ in samples)
+            large = [(n, t) for n, t in samples if n >= biggest / 2]
+            rate = sum(n for n, _ in large) / sum(t for _, t in large)
+            alpha, slope = 0.0, 1.0 / rate
+        return LinkEstimate(
+            alpha_s=max(alpha, 0.0),
+            bandwidth_bytes_s=self.bus_factor / slope,
+            samples=len(samples),
+            sizes=len({n for n, _ in samples}),
+        )
+
+
+def _fit(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(intercept, slope)`` of t on n; ``None`` when all sizes are equal."""
+    k = len(samples)
+    mean_n = sum(n for n, _ in samples) / k
+    mean_t = sum(t for _, t in samples) / k
+    var = sum((n - mean_n) ** 2 for n, _ in samples)
+    if var <= 0:
+        return None
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in samples) / var
+    return mean_t - slope * mean_n, slope
+
+
+def choose_partition(
+    link: LinkEstimate, *, world_size: int, total_bytes: int, efficiency: float = 0.9
+) -> tuple[int, int]:
+    """``auto``: (partition bytes, credit bytes) for a link.
+
+    A chunk of ``n`` bytes costs ``alpha + n / B``; it reaches ``efficiency`` of the bandwidth
+    when ``n >= efficiency / (1 - efficiency) * alpha * B``. Smaller chunks let a high-priority
+    gradient overtake sooner (ByteScheduler's trade-off), so the partition is that bound rounded
+    up to a power of two, within [64 KiB, 4 MiB] and at most an eighth of the model. The credit
+    (bytes in flight) keeps the link busy across one message's latency: two partitions, and at
+    least the bandwidth-delay product.
+    """
+    if not 0 < efficiency < 1:
+        raise ValueError(f"efficiency must be in (0, 1), got {efficiency}")
+    algbw = link.bandwidth_bytes_s / (2 * (world_size - 1) / world_size)
+    need = efficiency / (1 - efficiency) * link.alpha_s * algbw
+    partition = 1 << max(16, math.ceil(math.log2(max(need, 1.0))))
+    partition = min(partition, 4 << 20, max(64 << 10, _pow2_floor(total_bytes // 8)))
+    credit = max(2 * partition, _pow2_ceil(int(link.alpha_s * algbw)))
+    return partition, credit
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << max(n.bit_length() - 1, 0)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max((n - 1).bit_length(), 0)

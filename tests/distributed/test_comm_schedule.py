@@ -1,0 +1,108 @@
+"""``--comm-schedule priority`` (PriorityDataParallel) is bit-identical to DDP (``fifo``) on 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torsh_distributed.testing import run_distributed
+
+
+class _Net(nn.Module):
+    """Embedding, a few linear layers of mixed sizes (tensors cut and merged into chunks), a
+    tied output (one parameter read by two modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 24)
+        self.blocks = nn.Sequential(
+            nn.Linear(24, 96), nn.GELU(), nn.Linear(96, 24), nn.LayerNorm(24), nn.Linear(24, 24)
+        )
+        self.head = nn.Linear(24, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(x)))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 50, (4, 6), generator=g)
+    return x, torch.roll(x, 1, dims=1)
+
+
+def _train(schedule: str, optimizer: str, clip: float, partition: int, steps: int) -> dict:
+    from torsh_distributed.comm.dims import side_group
+    from torsh_distributed.parallel.data import apply_ddp
+    from torsh_distributed.parallel.priority import PriorityDataParallel
+
+    torch.manual_seed(dist.get_rank())  # different initial weights: init_sync must fix them
+    net = _Net()
+    if schedule == "fifo":
+        model = apply_ddp(net, bucket_cap_mb=0.01)
+    else:
+        model = PriorityDataParallel(
+            net,
+            group=side_group("priority_test"),
+            partition_bytes=partition,
+            credit_bytes=2 * partition,
+        )
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    rest = [p for p in net.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(groups, lr=1e-2, foreach=True)
+    else:
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, foreach=True)
+    if schedule == "priority":
+        model.bind(opt, grad_clip=clip)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * 0.97  # a schedule: each step's own lr must be applied
+        x, y = _batch(step, dist.get_rank())
+        if schedule == "fifo":
+            opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        if schedule == "fifo":
+            if clip:
+                torch.nn.utils.clip_grad_norm_(list(net.parameters()), clip)
+            opt.step()
+        else:
+            model.submit()
+        losses.append(loss.item())
+    if schedule == "priority":
+        model.wait()
+        summary = model.summary()
+        model.close()
+    else:
+        summary = {}
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    return {"losses": losses, "state": state, "opt": opt.state_dict()["state"], "summary": summary}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("optimizer", "clip", "partition"),
+    [("adamw", 0.0, 1024), ("sgd", 0.0, 300), ("adamw", 0.5, 4096)],
+)
+def test_priority_equals_ddp_bitwise(optimizer: str, clip: float, partition: int) -> None:
+    steps = 6
+    fifo = run_distributed(_train, 2, args=("fifo", optimizer, clip, partition, steps), timeout=100)
+    prio = run_distributed(
+        _train, 2, args=("priority", optimizer, clip, partition, steps), timeout=100
+    )
+    assert prio[0]["summary"]["chunks"] > 3, "the test must exercise several chunks"
+    for rank in range(2):
+        assert prio[rank]["losses"] == fifo[rank]["losses"], f"rank {rank}: losses differ"
+        for name, value in fifo[rank]["state"].items():
+            assert torch.equal(prio[rank]["state"][name], value), f"rank {rank}: {name} differs"
+        for key, st in fifo[rank]["opt"].items():
+            for field, value in st.items():
+                assert torch.equal(prio[rank]["opt"][key][field], value), (
+                    f"optimizer state {key}.{field}"
+                )
+    assert torch.equal(prio[0]["state"]["emb.weight"], prio[1]["state"]["emb.weight"])

@@ -1,6 +1,7 @@
 """``gloo+shm`` failure paths on real processes: a rank SIGKILLed in the middle of all-reduces and a
 rank that hangs both give the peer our timeout error (naming the rank and the operation) within
-timeout + 5 s, and no segment of the job is left in /dev/shm; stale segments of dead jobs are
+timeout + 5 s, and no segment of the job is left in /dev/shm, whether the call waits or the
+error comes from the progress thread through ``Work.wait()`` (the same message); stale segments of dead jobs are
 found and removed, live ones kept."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /de
 TIMEOUT_S = 3.0
 
 
-def _victim(mode: str, out: str) -> int:
+def _victim(mode: str, out: str, async_op: bool) -> int:
     world.init(backend="gloo+shm", timeout=TIMEOUT_S)
     rank = dist.get_rank()
     buf = torch.ones(3_000_000)  # 12 MB: three 4 MB chunks per all-reduce
@@ -47,21 +48,28 @@ def _victim(mode: str, out: str) -> int:
     result: dict = {"pid": os.getpid(), "error": None}
     try:
         for _ in range(100000):
-            dist.all_reduce(buf)
+            if async_op:  # two in flight on the progress thread: the first wait raises
+                works = [dist.all_reduce(buf, async_op=True) for _ in range(2)]
+                for work in works:
+                    work.wait()
+            else:
+                dist.all_reduce(buf)
     except DistributedTimeoutError as exc:
         result.update(error=str(exc), elapsed=time.monotonic() - start)
     Path(out).write_text(json.dumps(result))
     return os.getpid()
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["waiting", "async"])
 @pytest.mark.parametrize("mode", ["kill", "hang"])
-def test_dead_or_hung_peer_raises_timeout_error_and_leaves_no_segment(tmp_path, mode):
+def test_dead_or_hung_peer_raises_timeout_error_and_leaves_no_segment(tmp_path, mode, async_op):
     out = tmp_path / "rank0.json"
+    args = (mode, str(out), async_op)
     if mode == "kill":
         with pytest.raises(RankFailedError, match="rank 1 of 2 failed"):
-            run_distributed(_victim, 2, args=(mode, str(out)), init=False, timeout=60)
+            run_distributed(_victim, 2, args=args, init=False, timeout=60)
     else:
-        run_distributed(_victim, 2, args=(mode, str(out)), init=False, timeout=60)
+        run_distributed(_victim, 2, args=args, init=False, timeout=60)
     result = json.loads(out.read_text())
     assert result["error"] is not None, "rank 0 finished every all-reduce"
     assert "rank 1 did not reach all_reduce(sum)" in result["error"]

@@ -11,8 +11,9 @@ shared memory shared: boot id, network namespace and the ``/dev/shm`` file syste
 every supported collective goes through the node's :class:`ShmTransport`. On several nodes
 every one of them is hierarchical (shm inside each node, Gloo between the node leaders, shm
 broadcast inside); all-gather and reduce-scatter only when every node has as many ranks (else
-Gloo). Operations
-run synchronously in the calling thread and return completed work objects.
+Gloo). The shared-memory operations run in call order on the group's progress queue
+(``_shm_async``): with ``async_op=True`` (DDP's bucket all-reduces) on its thread while the
+caller computes, with ``async_op=False`` in the calling thread when nothing is queued before them.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroup
-from torch.futures import Future
 
+from torsh_distributed.runtime._shm_async import Job, Progress, ShmWork
 from torsh_distributed.runtime._shm_segment import Segment, cleanup_stale_segments, new_name
 from torsh_distributed.runtime._shm_sync import load_flags
 from torsh_distributed.runtime._shm_transport import (
@@ -96,24 +97,6 @@ def node_key(global_rank: int) -> str:
     return "|".join(parts)
 
 
-class _DoneWork(dist._Work):
-    """A finished operation (shm collectives complete before they return)."""
-
-    def __init__(self, result: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._future: Future = Future()
-        self._future.set_result(result)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> Future:
-        return self._future
-
-
 def _wait_count(store: dist.Store, key: str, want: int, timeout_s: float, rank: int) -> None:
     deadline = time.monotonic() + timeout_s
     while store.add(key, 0) < want:
@@ -143,8 +126,12 @@ class ShmProcessGroup(ProcessGroup):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_phases: int = DEFAULT_MAX_PHASES,
         fit_slot: bool = False,
+        asynchronous: bool = True,
     ) -> None:
         super().__init__(rank, size)
+        self.progress = Progress(rank=rank, name=f"{rank}of{size}", asynchronous=asynchronous)
+        """The group's queue of shared-memory operations (``progress.asynchronous``: whether
+        ``async_op=True`` calls run on its thread; ``progress.busy_s``: their seconds)."""
         self._max_phases = max_phases
         self._fit_slot = fit_slot
         self.counts: Counter[str] = Counter()
@@ -277,10 +264,15 @@ class ShmProcessGroup(ProcessGroup):
         if len(tensors) != 1 or op is None or not self._takes(tensors[0], op):
             return self._fallback("allreduce")(tensors, opts)
         tensor = tensors[0]
+        self.counts["shm allreduce"] += 1
+        return self._submit(
+            f"all_reduce({op})", lambda: self._all_reduce(tensor, op), tensors, opts
+        )
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         if self.single_node:
             self._shm.all_reduce(tensor, op)
-            self.counts["shm allreduce"] += 1
-            return _DoneWork(tensors)
+            return
         local_op = "sum" if op == "avg" else op
         self._shm.all_reduce(tensor, local_op)
         if self._leader_pg is not None:
@@ -290,13 +282,15 @@ class ShmProcessGroup(ProcessGroup):
             if op == "avg":
                 tensor.div_(self.size())
         self._shm.broadcast(tensor, 0)
-        self.counts["shm allreduce"] += 1
-        return _DoneWork(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         if len(tensors) != 1 or not self._takes(tensors[0]):
             return self._fallback("broadcast")(tensors, opts)
         tensor, root = tensors[0], opts.rootRank
+        self.counts["shm broadcast"] += 1
+        return self._submit("broadcast", lambda: self._broadcast(tensor, root), tensors, opts)
+
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
         root_node = self._node_of[root]
         if root_node == self._node_index:
             self._shm.broadcast(tensor, self._local.index(root))
@@ -306,19 +300,19 @@ class ShmProcessGroup(ProcessGroup):
             self._leader_pg.broadcast([tensor], outer).wait()
         if root_node != self._node_index:
             self._shm.broadcast(tensor, 0)
-        self.counts["shm broadcast"] += 1
-        return _DoneWork(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         if self._transport is None:
             return self._fallback("barrier")(opts if opts is not None else dist.BarrierOptions())
+        self.counts["shm barrier"] += 1
+        return self._submit("barrier", self._barrier, [], opts)
+
+    def _barrier(self) -> None:
         self._shm.barrier()
         if self._leader_pg is not None:
             self._leader_pg.barrier().wait()
         if not self.single_node:
             self._shm.barrier()
-        self.counts["shm barrier"] += 1
-        return _DoneWork([])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         if (
@@ -328,12 +322,14 @@ class ShmProcessGroup(ProcessGroup):
             or output.dtype != input.dtype
         ):
             return self._fallback("_allgather_base")(output, input, opts)
+        self.counts["shm _allgather_base"] += 1
+        return self._submit("all_gather", lambda: self._all_gather(output, input), [output], opts)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if self.single_node:
             self._shm.all_gather(output, input)
         else:
             self._hierarchical_all_gather(output.view(self.size(), -1), input.reshape(-1))
-        self.counts["shm _allgather_base"] += 1
-        return _DoneWork([output])
 
     def _hierarchical_all_gather(self, out: torch.Tensor, input: torch.Tensor) -> None:
         """shm all-gather in the node, Gloo all-gather of the node blocks between leaders, shm
@@ -374,15 +370,16 @@ class ShmProcessGroup(ProcessGroup):
             return self._fallback("allgather")(outputs, inputs, opts)
         if any(o.shape != inputs[0].shape or o.dtype != inputs[0].dtype for o in outputs[0]):
             return self._fallback("allgather")(outputs, inputs, opts)
-        flat = torch.empty((self.size(), inputs[0].numel()), dtype=inputs[0].dtype)
-        if self.single_node:
-            self._shm.all_gather(flat, inputs[0])
-        else:
-            self._hierarchical_all_gather(flat, inputs[0].reshape(-1))
-        for j, out in enumerate(outputs[0]):
-            out.copy_(flat[j].view(out.shape))  # outputs may be strided views
         self.counts["shm allgather"] += 1
-        return _DoneWork(outputs[0])
+        source, targets = inputs[0], outputs[0]
+
+        def job() -> None:
+            flat = torch.empty((self.size(), source.numel()), dtype=source.dtype)
+            self._all_gather(flat, source)
+            for j, out in enumerate(targets):
+                out.copy_(flat[j].view(out.shape))  # outputs may be strided views
+
+        return self._submit("all_gather", job, targets, opts)
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any
@@ -396,12 +393,16 @@ class ShmProcessGroup(ProcessGroup):
             or output.dtype != input.dtype
         ):
             return self._fallback("_reduce_scatter_base")(output, input, opts)
+        self.counts["shm _reduce_scatter_base"] += 1
+        return self._submit(
+            f"reduce_scatter({op})", lambda: self._reduce_scatter(output, input, op), [output], opts
+        )
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
         if self.single_node:
             self._shm.reduce_scatter(output, input, op)
         else:
             self._hierarchical_reduce_scatter(output, input, op)
-        self.counts["shm _reduce_scatter_base"] += 1
-        return _DoneWork([output])
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any
@@ -421,13 +422,13 @@ class ShmProcessGroup(ProcessGroup):
             or any(t.shape != out.shape or t.dtype != out.dtype for t in inputs[0])
         ):
             return self._fallback("reduce_scatter")(outputs, inputs, opts)
-        stacked = torch.stack([t.reshape(-1) for t in inputs[0]])
-        if self.single_node:
-            self._shm.reduce_scatter(out, stacked, op)
-        else:
-            self._hierarchical_reduce_scatter(out, stacked, op)
         self.counts["shm reduce_scatter"] += 1
-        return _DoneWork(outputs)
+        parts = inputs[0]
+
+        def job() -> None:
+            self._reduce_scatter(out, torch.stack([t.reshape(-1) for t in parts]), op)
+
+        return self._submit(f"reduce_scatter({op})", job, outputs, opts)
 
     # -- operations Gloo does ------------------------------------------------------------------
     # torch's C++ trampoline for a Python process group holds the GIL while it looks for these
@@ -461,18 +462,41 @@ class ShmProcessGroup(ProcessGroup):
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        for out, inp in zip(outputs, inputs, strict=True):
-            self._allgather_base(out, inp, opts).wait()
-        return _DoneWork(outputs)
+        works = [
+            self._allgather_base(out, inp, opts) for out, inp in zip(outputs, inputs, strict=True)
+        ]
+        return self._coalesced("all_gather", works, outputs, opts)
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        for out, inp in zip(outputs, inputs, strict=True):
-            self._reduce_scatter_base(out, inp, opts).wait()
-        return _DoneWork(outputs)
+        works = [
+            self._reduce_scatter_base(out, inp, opts)
+            for out, inp in zip(outputs, inputs, strict=True)
+        ]
+        return self._coalesced("reduce_scatter", works, outputs, opts)
+
+    def _submit(self, op: str, job: Job, result: list[torch.Tensor], opts: Any) -> ShmWork:
+        """Queue ``job`` behind the group's earlier shared-memory operations (see ``_shm_async``)."""
+        work = ShmWork(result, rank=self.rank(), operation=op)
+        return self.progress.submit(job, work, caller_waits=not getattr(opts, "asyncOp", True))
+
+    def _coalesced(
+        self, op: str, works: list[dist.Work], outputs: list[torch.Tensor], opts: Any
+    ) -> dist.Work:
+        """One work for the parts of a coalesced call, queued after them: done when they are,
+        failed with the first part's error (a part Gloo took is waited for too)."""
+
+        def job() -> None:
+            for w in works:
+                w.wait()
+
+        return self._submit(f"{op} (coalesced)", job, outputs, opts)
 
     def shutdown(self) -> None:
+        if self._transport is not None:
+            self._transport.cancel()  # a job waiting for a peer gives up within 0.25 s
+        self.progress.close()
         if self._transport is not None:
             self._transport.close()
 
@@ -504,6 +528,9 @@ def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
     phases = int(text) if text.strip().isdigit() else 0
     if phases < 1:
         raise ValueError(f"TORSH_SHM_MAX_PHASES must be a positive integer, got {text!r}")
+    text = os.environ.get("TORSH_SHM_ASYNC", "1")
+    if text.strip() not in ("0", "1"):
+        raise ValueError(f"TORSH_SHM_ASYNC must be 0 or 1, got {text!r}")
     ranks = list(backend_opts.global_ranks_in_group) or list(range(backend_opts.group_size))
     return ShmProcessGroup(
         backend_opts.store,
@@ -515,4 +542,5 @@ def create(backend_opts: Any, pg_options: Any) -> ShmProcessGroup:
         chunk_bytes=chunk,
         max_phases=phases,
         fit_slot="TORSH_SHM_SLOT_BYTES" not in os.environ,  # a slot asked for is used as asked
+        asynchronous=text.strip() == "1",
     )

@@ -150,6 +150,7 @@ class ShmTransport:
             len(global_ranks)
         )
         self._broken: str | None = None
+        self._cancelled = False
         self._lock = threading.Lock()
         base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm))
         self._flags = Flags(base + HEADER_BYTES, self.size, lib)
@@ -190,6 +191,13 @@ class ShmTransport:
             lagging = wait(max(min(left, 0.25), 0.0))
             if lagging < 0:
                 return
+            if self._cancelled:
+                self._broken = f"{op} cancelled"
+                raise CommunicationError(
+                    f"{op} over shared memory was cancelled: the process group is shutting down",
+                    rank=self.global_ranks[self.rank],
+                    operation=op,
+                )
             pid = self.segment.pid(lagging)
             dead = pid > 0 and not _alive(pid)
             if dead or time.monotonic() >= deadline:
@@ -477,6 +485,10 @@ class ShmTransport:
             self._phase("broadcast")
             if self.rank != root:
                 flat[lo : lo + count].copy_(self._slot(root, parity, flat.dtype, count))
+
+    def cancel(self) -> None:
+        """Make a collective waiting for a peer (in another thread) give up within 0.25 s."""
+        self._cancelled = True
 
     def close(self) -> None:
         self._slots = []

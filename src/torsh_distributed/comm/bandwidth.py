@@ -1,9 +1,9 @@
 """Link bandwidth and latency estimated from the collectives' own timings (torch-free).
 
-Every all-reduce the priority scheduler issues during training is a measurement: ``n`` bytes
-per rank took ``t`` seconds of the link's time. An alpha-beta model ``t = alpha + n / B``
-fitted by least squares over recent messages of several sizes gives the per-message latency
-``alpha`` and the algorithm bandwidth ``B``; the link rate is the *bus* bandwidth
+Every all-reduce the priority scheduler issues during training is a measurement: ``k``
+messages of ``n`` bytes per rank in all held the link for ``t`` seconds. An alpha-beta model
+``t = alpha * k + n / B`` fitted by least squares over periods of several sizes gives the
+per-message latency ``alpha`` and the algorithm bandwidth ``B``; the link rate is the *bus* bandwidth
 ``B * 2 (p - 1) / p`` (a ring all-reduce sends ``2 (p - 1) / p`` of the message over each
 rank's link, the convention of nccl-tests' ``busbw``). On 2 ranks it equals ``B``.
 
@@ -52,21 +52,28 @@ class LinkEstimate:
 
 
 class BandwidthEstimator:
-    """Alpha-beta fit over the last ``window`` (bytes, seconds) samples of all-reduces.
+    """Alpha-beta fit over the last ``window`` samples of all-reduce traffic.
+
+    A sample is a *busy period*: ``messages`` all-reduces of ``nbytes`` in all that kept the
+    link busy for ``seconds`` (from the first one's start to the last one's end, each issued
+    before the previous ended). Periods rather than single messages because the backend runs
+    several messages at once (Gloo has two worker threads): the time of one of them is shared
+    with its neighbours, the time of the period is not. The model is
+    ``seconds = alpha * messages + nbytes / B``, fitted by least squares.
 
     Args:
         world_size: Ranks taking part in the all-reduces (sets the bus factor ``2 (p - 1) / p``).
         window: Samples kept; older ones are forgotten, so a link that changes is followed
-            within about ``window`` messages (larger = steadier, slower to follow).
+            within about ``window`` periods (larger = steadier, slower to follow).
     """
 
-    def __init__(self, *, world_size: int, window: int = 512) -> None:
+    def __init__(self, *, world_size: int, window: int = 256) -> None:
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 for a link estimate, got {world_size}")
         if window < 4:
             raise ValueError(f"window must be >= 4, got {window}")
         self.world_size = world_size
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
         self.total_bytes = 0
         self.total_seconds = 0.0
 
@@ -74,11 +81,12 @@ class BandwidthEstimator:
     def bus_factor(self) -> float:
         return 2 * (self.world_size - 1) / self.world_size
 
-    def add(self, nbytes: int, seconds: float) -> None:
-        """Record that an all-reduce of ``nbytes`` per rank held the link for ``seconds``."""
-        if nbytes < 0 or not seconds > 0 or not math.isfinite(seconds):
+    def add(self, nbytes: int, seconds: float, *, messages: int = 1) -> None:
+        """Record that ``messages`` all-reduces of ``nbytes`` per rank in all held the link
+        for ``seconds``."""
+        if messages < 1 or nbytes < 0 or not seconds > 0 or not math.isfinite(seconds):
             return  # a clock that did not move says nothing
-        self._samples.append((float(nbytes), float(seconds)))
+        self._samples.append((float(messages), float(nbytes), float(seconds)))
         self.total_bytes += nbytes
         self.total_seconds += seconds
 
@@ -86,49 +94,53 @@ class BandwidthEstimator:
         return len(self._samples)
 
     def estimate(self) -> LinkEstimate | None:
-        """The fit, or ``None`` with fewer than 4 samples or fewer than 2 message sizes.
+        """The fit, or ``None`` with fewer than 4 samples or fewer than 2 distinct sizes.
 
-        Least squares of ``t`` on ``n``, refitted once without the samples further than 4
-        median absolute deviations from the line (a message delayed by a busy host). A slope
-        that is not positive (noise swamped the sizes) falls back to the aggregate rate of the
-        largest messages with zero latency.
+        Least squares, refitted once without the samples further than 4 median absolute
+        deviations from the fit (a period stretched by a busy host). A fit that is not
+        physical (a slope that is not positive; a negative latency is clamped to 0 and the
+        slope refitted) falls back to the aggregate rate with zero latency.
         """
         samples = list(self._samples)
-        if len(samples) < 4 or len({n for n, _ in samples}) < 2:
+        if len(samples) < 4 or len({n for _, n, _ in samples}) < 2:
             return None
         fit = _fit(samples)
         if fit is not None:
-            alpha, slope = fit
-            residuals = [abs(t - alpha - slope * n) for n, t in samples]
+            residuals = [abs(t - fit[0] * k - fit[1] * n) for k, n, t in samples]
             mad = sorted(residuals)[len(residuals) // 2]
             kept = [s for s, r in zip(samples, residuals, strict=True) if r <= 4 * mad + 1e-12]
-            if len(kept) >= 4 and len({n for n, _ in kept}) >= 2 and len(kept) < len(samples):
+            if len(kept) >= 4 and len({n for _, n, _ in kept}) >= 2 and len(kept) < len(samples):
                 refit = _fit(kept)
                 if refit is not None:
-                    (alpha, slope), samples = refit, kept
-        if fit is None or slope <= 0:
-            biggest = max(n for n, _ in samples)
-            large = [(n, t) for n, t in samples if n >= biggest / 2]
-            rate = sum(n for n, _ in large) / sum(t for _, t in large)
-            alpha, slope = 0.0, 1.0 / rate
+                    fit, samples = refit, kept
+        if fit is None or fit[1] <= 0:
+            rate = sum(n for _, n, _ in samples) / sum(t for _, _, t in samples)
+            fit = (0.0, 1.0 / rate)
+        alpha, slope = fit
         return LinkEstimate(
-            alpha_s=max(alpha, 0.0),
+            alpha_s=alpha,
             bandwidth_bytes_s=self.bus_factor / slope,
             samples=len(samples),
-            sizes=len({n for n, _ in samples}),
+            sizes=len({n for _, n, _ in samples}),
         )
 
 
-def _fit(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """Least-squares ``(intercept, slope)`` of t on n; ``None`` when all sizes are equal."""
-    k = len(samples)
-    mean_n = sum(n for n, _ in samples) / k
-    mean_t = sum(t for _, t in samples) / k
-    var = sum((n - mean_n) ** 2 for n, _ in samples)
-    if var <= 0:
+def _fit(samples: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(alpha, slope)`` of ``t = alpha * k + slope * n``; ``None`` when the two
+    regressors are proportional (alpha and bandwidth cannot be told apart)."""
+    skk = sum(k * k for k, _, _ in samples)
+    skn = sum(k * n for k, n, _ in samples)
+    snn = sum(n * n for _, n, _ in samples)
+    skt = sum(k * t for k, _, t in samples)
+    snt = sum(n * t for _, n, t in samples)
+    det = skk * snn - skn * skn
+    if det <= 1e-12 * skk * snn:
         return None
-    slope = sum((n - mean_n) * (t - mean_t) for n, t in samples) / var
-    return mean_t - slope * mean_n, slope
+    alpha = (skt * snn - snt * skn) / det
+    slope = (skk * snt - skn * skt) / det
+    if alpha < 0:  # a latency cannot be negative: the best fit through zero latency
+        alpha, slope = 0.0, snt / snn
+    return alpha, slope
 
 
 def choose_partition(
@@ -139,16 +151,18 @@ def choose_partition(
     A chunk of ``n`` bytes costs ``alpha + n / B``; it reaches ``efficiency`` of the bandwidth
     when ``n >= efficiency / (1 - efficiency) * alpha * B``. Smaller chunks let a high-priority
     gradient overtake sooner (ByteScheduler's trade-off), so the partition is that bound rounded
-    up to a power of two, within [64 KiB, 4 MiB] and at most an eighth of the model. The credit
-    (bytes in flight) keeps the link busy across one message's latency: two partitions, and at
-    least the bandwidth-delay product.
+    up to a power of two, within [256 KiB, 4 MiB] (below 256 KiB the host's own cost per message,
+    copies and Python, which the link fit does not see, dominates on CPU), at least 1/64 and at
+    most 1/8 of the model. The credit (bytes in flight) keeps the link busy across one message's
+    latency: two partitions, and at least the bandwidth-delay product.
     """
     if not 0 < efficiency < 1:
         raise ValueError(f"efficiency must be in (0, 1), got {efficiency}")
     algbw = link.bandwidth_bytes_s / (2 * (world_size - 1) / world_size)
     need = efficiency / (1 - efficiency) * link.alpha_s * algbw
-    partition = 1 << max(16, math.ceil(math.log2(max(need, 1.0))))
-    partition = min(partition, 4 << 20, max(64 << 10, _pow2_floor(total_bytes // 8)))
+    partition = max(need, 256 << 10, total_bytes / 64)
+    partition = 1 << math.ceil(math.log2(partition))
+    partition = min(partition, 4 << 20, max(256 << 10, _pow2_floor(total_bytes // 8)))
     credit = max(2 * partition, _pow2_ceil(int(link.alpha_s * algbw)))
     return partition, credit
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torsh_distributed.engine._plan import RunPlan, plan_run
+from torsh_distributed.engine._schedule import priority_wrap
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.parallel.blocks import find_blocks
 from torsh_distributed.parallel.moe import moe_layers
@@ -174,6 +175,7 @@ def build_model(
             pipeline_stage=stage,
             blocks=blocks,
             device=device,
+            ddp=config.comm.schedule != "priority",
         )
         if meta and not first:
             materialize(module, device, seed=seed)
@@ -205,6 +207,8 @@ def build_model(
             order=order,
         )
     forward = shard(model, stage=False)
+    if config.comm.schedule == "priority" and dims.data_degree > 1:
+        forward = priority_wrap(forward, config)  # in place of DDP
     return BuiltModel(
         forward=forward,
         holder=model,
@@ -262,7 +266,10 @@ class Prefetch:
     """
 
     def __init__(
-        self, fetch: Callable[[int, bool], tuple[Any, Any]], *, device: torch.device,
+        self,
+        fetch: Callable[[int, bool], tuple[Any, Any]],
+        *,
+        device: torch.device,
         max_steps: int,
     ) -> None:
         self._fetch, self._max_steps = fetch, max_steps

@@ -173,6 +173,7 @@ class EngineConfig:
                 f"backend must be one of auto, gloo, nccl, gloo+shm; got {self.backend!r}"
             )
         _check_onebit(self)
+        _check_schedule(self)
         _check_ft(self)
         if self.carbon.scale and not self.checkpoint.dir:
             raise ValueError(
@@ -288,6 +289,30 @@ def _check_ft(cfg: EngineConfig) -> None:
         raise ValueError(
             f"batch_size {cfg.batch_size} is not divisible by ft.replica_groups {groups}"
         )
+
+
+def _check_schedule(cfg: EngineConfig) -> None:
+    """``--comm-schedule priority`` replaces DDP: refuse what it cannot serve, naming it."""
+    if cfg.comm.schedule != "priority":
+        return
+    par = cfg.parallel
+    clashes = [
+        (par.zero_stage != 0, f"--zero-stage {par.zero_stage}"),
+        (par.tp > 1, f"--tp {par.tp}"),
+        (par.pp > 1, f"--pp {par.pp}"),
+        (par.ep > 1, f"--ep {par.ep}"),
+        (cfg.compression.enabled, f"--compression {cfg.compression.method}"),
+        (cfg.optim.optimizer in ONEBIT, f"--optimizer {cfg.optim.optimizer}"),
+        (bool(cfg.comm.algorithm), f"--comm-algorithm {cfg.comm.algorithm}"),
+        (par.param_dtype == "fp16", "--param-dtype fp16 (loss scaling)"),
+    ]
+    for clash, flag in clashes:
+        if clash:
+            raise ValueError(
+                f"--comm-schedule priority schedules plain data parallelism's all-reduce "
+                f"(--zero-stage 0, no tp/pp/ep, compression, 1-bit optimizer, comm algorithm or "
+                f"fp16); it cannot run with {flag} (use --comm-schedule fifo)"
+            )
 
 
 def _section(cls: type, values: dict[str, Any], name: str) -> Any:

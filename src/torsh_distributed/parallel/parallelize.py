@@ -98,6 +98,7 @@ def parallelize(
     pipeline_stage: bool = False,
     blocks: str | None = None,
     device: torch.device | None = None,
+    ddp: bool = True,
 ) -> nn.Module:
     """Apply TP/SP -> (EP) -> activation checkpointing -> compile -> FSDP2 or DDP, in place.
 
@@ -113,6 +114,8 @@ def parallelize(
         blocks: Qualified name of the container of repeated blocks (checkpointing and FSDP
             units); ``None`` = found by :func:`~.blocks.find_blocks`.
         device: The mesh's device (default: the first parameter's).
+        ddp: ``False`` leaves plain data parallelism unwrapped: the caller exchanges the
+            gradients itself (``--comm-schedule priority``: :mod:`~.priority`).
 
     Returns:
         The module to call for forward: a DDP wrapper for plain data parallelism at stages 0-1
@@ -160,7 +163,7 @@ def parallelize(
         )
     if config.param_dtype != "fp32":  # DDP has no public mixed precision: autocast
         apply_autocast(model, dtype=config.param_dtype, device_type=device.type)
-    if model_parallel or dims.data_degree == 1:
+    if model_parallel or dims.data_degree == 1 or not ddp:
         return model
     if experts:  # each ep rank holds other experts: DDP must neither broadcast nor average them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)

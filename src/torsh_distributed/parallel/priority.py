@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh_distributed.comm.bandwidth import BandwidthEstimator, choose_partition
+from torsh_distributed.comm.bandwidth import BandwidthEstimator, LinkEstimate, choose_partition
 from torsh_distributed.parallel._chunks import ChunkLayout, plan_chunks
 
 __all__ = ["PriorityDataParallel"]
@@ -62,7 +62,7 @@ class _Op:
     nbytes: int
     issued: float
     work: Any
-    clean: bool  # queued behind another message: its time is the link's, not a peer's lateness
+    clean: bool  # a payload: its time is the link's (a bitmap-only one waits for backward)
     done_at: list[float] = field(default_factory=list)
 
 
@@ -172,6 +172,11 @@ class PriorityDataParallel(nn.Module):
         return self._x.estimator
 
     @property
+    def link(self) -> LinkEstimate | None:
+        """The link fit after the last completed step (``None`` until there are samples)."""
+        return self._x.link
+
+    @property
     def last_grad_norm(self) -> torch.Tensor | None:
         """The norm before clipping of the last step that clipped (``None`` without clipping)."""
         return self._x.grad_norm
@@ -210,6 +215,7 @@ class _Exchange:
         self.layout = self._layout()
         self.estimator = BandwidthEstimator(world_size=max(self.world, 2))
         self.decisions: list[str] = []
+        self.link: LinkEstimate | None = None  # the last fit (read by any thread)
         self.optimizer: torch.optim.Optimizer | None = None
         self.grad_clip = 0.0
         self.grad_norm: torch.Tensor | None = None
@@ -224,7 +230,7 @@ class _Exchange:
         self.idle.set()
         self.error: BaseException | None = None
         self.closing = False
-        self.last_done = 0.0
+        self.timeline: list[tuple[float, float, int]] = []  # (issued, done, bytes) of payloads
         self.jobs: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="priority-exchange", daemon=True)
         self.thread.start()
@@ -333,7 +339,7 @@ class _Exchange:
         self.thread.join(timeout=10)
 
     def summary(self) -> dict[str, Any]:
-        link = self.estimator.estimate()
+        link = self.link
         return {
             "schedule": "priority",
             "partition_kb": self.partition // 1024,
@@ -352,6 +358,7 @@ class _Exchange:
                 return
             try:
                 self._exchange(step)
+                self.link = self.estimator.estimate()  # here: the thread owns the samples
                 self.steps += 1
                 if self.steps == AUTO_AFTER_STEPS and any(self.auto):
                     self._decide()
@@ -371,7 +378,7 @@ class _Exchange:
             nxt = next((c for c in range(n) if agreed[c] and not sent[c]), -1)
             size = layout.sizes[nxt] * self.elem if nxt >= 0 else 0
             if nxt >= 0 and (not inflight or inflight_bytes + size <= self.credit):
-                inflight.append(self._issue(step, nxt, queued=bool(inflight)))
+                inflight.append(self._issue(step, nxt))
                 sent[nxt] = True
                 inflight_bytes += size
                 continue
@@ -386,11 +393,27 @@ class _Exchange:
                     self.cond.wait(0.5)
                 if self.closing:
                     raise RuntimeError("closed during an exchange")
-            self._complete(step, self._issue(step, -1, queued=False), agreed)
+            self._complete(step, self._issue(step, -1), agreed)
         if self.grad_clip:
             self._update(step, done_params, clip=True)
+        self._measure()
 
-    def _issue(self, step: _Step, chunk: int, *, queued: bool) -> _Op:
+    def _measure(self) -> None:
+        """Feed the estimator this step's busy periods: runs of payload messages each issued
+        before the previous ones ended (their total time is the link's; single messages of a
+        run overlap in the backend's threads)."""
+        timeline, self.timeline = sorted(self.timeline), []
+        start, end, nbytes, count = 0.0, -1.0, 0, 0
+        for issued, done, size in [*timeline, (float("inf"), float("inf"), 0)]:
+            if issued > end:
+                if count:
+                    self.estimator.add(nbytes, end - start, messages=count)
+                start, end, nbytes, count = issued, done, 0, 0
+            end = max(end, done)
+            nbytes += size
+            count += 1
+
+    def _issue(self, step: _Step, chunk: int) -> _Op:
         n = len(self.layout)
         size = self.layout.sizes[chunk] if chunk >= 0 else 0
         param = self.params[0]
@@ -417,7 +440,7 @@ class _Exchange:
             nbytes=buf.numel() * self.elem,
             issued=issued,
             work=work,
-            clean=queued and chunk >= 0,
+            clean=chunk >= 0,
         )
         work.get_future().add_done_callback(lambda _: op.done_at.append(time.perf_counter()))
         return op
@@ -426,8 +449,7 @@ class _Exchange:
         op.work.wait()
         done = op.done_at[0] if op.done_at else time.perf_counter()
         if op.clean:
-            self.estimator.add(op.nbytes, done - max(op.issued, self.last_done))
-        self.last_done = max(self.last_done, done)
+            self.timeline.append((op.issued, done, op.nbytes))
         size = op.buf.numel() - len(self.layout)
         for c, count in enumerate(op.buf[size:].tolist()):
             if count == self.world:
@@ -479,7 +501,7 @@ class _Exchange:
 
     def _decide(self) -> None:
         """``auto``: rank 0 fits the link and every rank adopts its partition and credit."""
-        link = self.estimator.estimate()
+        link = self.link
         total = sum(p.numel() for p in self.params) * self.elem
         choice = torch.zeros(2, dtype=torch.float64)
         if self.main and link is not None:

@@ -188,3 +188,17 @@ def _shared(base: str) -> str:
 def test_a_directory_shared_by_hosts_is_refused(tmp_path) -> None:
     result = run_distributed(_shared, 3, args=(str(tmp_path),), env=HOSTS, timeout=60)
     assert all("write to one directory" in r for r in result), result
+
+
+@pytest.mark.timeout(180)
+def test_resume_on_fewer_hosts_reshards_from_the_peers_copies(saved) -> None:
+    base, first = saved
+    work = _copy(base, "fewer")
+    shutil.rmtree(work / "host2")  # host 2 is gone for good; 2 hosts go on
+    result = run_distributed(
+        _load, 2, args=(str(work), 1), env={"TORSH_NODE_ASSIGNMENT": "0,1"}, timeout=120
+    )
+    for rank in range(2):
+        assert result[rank]["step"] == 4
+        for name, value in first["states"][4].items():
+            assert torch.equal(result[rank]["state"][name], value), (rank, name)

@@ -1,0 +1,113 @@
+"""The link estimator's alpha-beta fit on synthetic timings, the auto partition, tensor partitioning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from torsh_distributed.comm.bandwidth import BandwidthEstimator, choose_partition
+from torsh_distributed.comm.config import CommConfig
+from torsh_distributed.parallel._chunks import plan_chunks
+
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+
+
+def _feed(
+    est: BandwidthEstimator, *, rate_mbit: float, alpha: float, noise: float, seed: int
+) -> None:
+    rng = random.Random(seed)
+    algbw = rate_mbit * MBIT / est.bus_factor
+    for _ in range(200):
+        messages = rng.randint(1, 12)
+        nbytes = sum(rng.choice([4_096, 65_536, 300_000, 1 << 20]) for _ in range(messages))
+        seconds = alpha * messages + nbytes / algbw
+        est.add(nbytes, seconds * (1 + rng.uniform(-noise, noise)), messages=messages)
+
+
+@pytest.mark.parametrize(
+    ("rate", "alpha", "world"), [(100, 3e-4, 2), (1000, 5e-5, 2), (10_000, 2e-3, 4)]
+)
+def test_fit_recovers_rate_and_latency(rate: float, alpha: float, world: int) -> None:
+    est = BandwidthEstimator(world_size=world)
+    _feed(est, rate_mbit=rate, alpha=alpha, noise=0.02, seed=rate)
+    link = est.estimate()
+    assert link is not None
+    assert link.bandwidth_mbit == pytest.approx(rate, rel=0.05)  # the acceptance asks 10 %
+    assert link.alpha_s == pytest.approx(alpha, rel=0.25, abs=2e-5)
+    assert link.to_dict()["latency_ms"] == pytest.approx(link.alpha_s * 1e3, abs=1e-4)
+
+
+def test_outliers_from_a_busy_host_are_dropped() -> None:
+    est = BandwidthEstimator(world_size=2)
+    _feed(est, rate_mbit=100, alpha=2e-4, noise=0.01, seed=1)
+    for _ in range(15):  # stretched 5x by a descheduled rank
+        est.add(1 << 20, 5 * (1 << 20) / (100 * MBIT), messages=1)
+    link = est.estimate()
+    assert link is not None and link.bandwidth_mbit == pytest.approx(100, rel=0.05)
+
+
+def test_bus_factor_and_too_little_data() -> None:
+    est = BandwidthEstimator(world_size=4)
+    assert est.bus_factor == pytest.approx(1.5)
+    for _ in range(10):
+        est.add(1000, 0.01)
+    assert est.estimate() is None, "one message size cannot separate latency from bandwidth"
+    est.add(0, 0.0)  # a clock that did not move is ignored
+    assert len(est) == 10
+    with pytest.raises(ValueError, match="world_size must be >= 2"):
+        BandwidthEstimator(world_size=1)
+
+
+def test_noise_that_hides_the_sizes_falls_back_to_the_aggregate_rate() -> None:
+    est = BandwidthEstimator(world_size=2)
+    for nbytes, seconds in [(1000, 0.02), (2000, 0.01), (1000, 0.02), (2000, 0.01), (1500, 0.015)]:
+        est.add(nbytes, seconds)
+    link = est.estimate()
+    assert link is not None and link.alpha_s == 0
+    assert link.bandwidth_bytes_s == pytest.approx(7500 / 0.075)
+
+
+def test_auto_partition_from_the_link() -> None:
+    est = BandwidthEstimator(world_size=2)
+    _feed(est, rate_mbit=100, alpha=3e-4, noise=0.0, seed=3)
+    link = est.estimate()
+    assert link is not None
+    partition, credit = choose_partition(link, world_size=2, total_bytes=13 << 20)
+    assert partition == 256 << 10 and credit == 512 << 10  # the floor: 9 alpha B is 34 KB
+    slow = BandwidthEstimator(world_size=2)
+    _feed(slow, rate_mbit=1000, alpha=5e-3, noise=0.0, seed=4)  # high latency: 9 alpha B = 5.6 MB
+    far = slow.estimate()
+    assert far is not None
+    partition, credit = choose_partition(far, world_size=2, total_bytes=200 << 20)
+    assert partition == 4 << 20 and credit >= 2 * partition
+    partition, _ = choose_partition(far, world_size=2, total_bytes=4 << 20)
+    assert partition == 512 << 10, "at most an eighth of the model"
+
+
+def test_chunks_cut_big_tensors_and_merge_small_ones() -> None:
+    layout = plan_chunks([10, 3, 25, 2, 2, 8, 0], 8)
+    assert layout.sizes == (8, 5, 8, 8, 8, 5, 8)
+    assert layout.of_param == ((0, 1), (1,), (2, 3, 4, 5), (5,), (5,), (6,), ())
+    covered = {}
+    for pieces in layout.chunks:
+        for piece in pieces:
+            covered.setdefault(piece.param, []).append((piece.start, piece.length))
+    for param, numel in enumerate([10, 3, 25, 2, 2, 8]):
+        assert sum(length for _, length in covered[param]) == numel
+    with pytest.raises(ValueError, match="partition must be >= 1"):
+        plan_chunks([4], 0)
+
+
+def test_config_refuses_bad_schedule_settings() -> None:
+    with pytest.raises(ValueError, match="comm.schedule must be one of fifo, priority"):
+        CommConfig(schedule="lifo")
+    with pytest.raises(ValueError, match="partition_kb applies to --comm-schedule priority only"):
+        CommConfig(partition_kb=64)
+    with pytest.raises(ValueError, match="credit_kb .* must be >= comm.partition_kb"):
+        CommConfig(schedule="priority", partition_kb=512, credit_kb=256)
+    from torsh_distributed.engine.config import EngineConfig
+    from torsh_distributed.parallel.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="cannot run with --zero-stage 2"):
+        EngineConfig(comm=CommConfig(schedule="priority"), parallel=ParallelConfig(zero_stage=2))

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.compression import onebit
 from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
-from torsh_distributed.energy.tracker import METRICS, EnergyTracker
+from torsh_distributed.energy.tracker import EnergyTracker
 from torsh_distributed.engine import _setup as S
 from torsh_distributed.engine._carbon import CarbonControl
 from torsh_distributed.engine._checkpoint import RunCheckpoint, computation_settings
@@ -45,6 +45,7 @@ from torsh_distributed.engine._comm import CommSetup, node_assignment
 from torsh_distributed.engine._compression import GradCompression
 from torsh_distributed.engine._memory import MemoryReport, planner_optimizer
 from torsh_distributed.engine._moe import MoEHooks
+from torsh_distributed.engine._observe import announcement, observe
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.optim import build_optimizer, lr_at
 from torsh_distributed.engine.progress import Progress
@@ -312,56 +313,19 @@ class Run:
         self.start_step, self.losses = self.ckpt.resume()
 
     def _announce(self) -> None:
-        if not self.runtime.is_main:
-            return
-        cfg, dims, par = self.cfg, self.dims, self.cfg.parallel
-        layout = f"dp {dims.dp} x tp {dims.tp} x pp {dims.pp}"
-        if dims.ep > 1:
-            layout += f" x ep {dims.ep}"
-        if dims.pp > 1:
-            layout += f" ({par.pp_schedule}, {par.num_microbatches} micro-batches)"
-        print(
-            f"torsh-dist {self.engine.name}: {self.built.num_params / 1e6:.2f}M params, world size "
-            f"{self.runtime.world_size} ({self.runtime.backend}) = {layout}, global batch "
-            f"{cfg.batch_size} ({self.plan.per_dp}/dp rank){self.engine.describe}",
-            flush=True,
-        )
+        if self.runtime.is_main:
+            print(announcement(self.engine, self.cfg, self.dims, world_size=self.runtime.world_size,
+                               backend=self.runtime.backend, num_params=self.built.num_params,
+                               per_dp=self.plan.per_dp), flush=True)
 
     def _attach_monitor(self) -> None:
-        cfg, dims, runtime = self.cfg, self.dims, self.runtime
-        self.progress = Progress(
-            total=cfg.max_steps, enabled=runtime.is_main and cfg.progress, desc=self.engine.name
-        )
-        self.write = self.progress.write if cfg.progress else print
-        assert dims.mesh is not None
-        pp_rank = dims.mesh["pp"].get_local_rank()
-        # one rank per data-parallel replica counts its samples (the job's rate is the ranks' sum)
-        counts = dims.mesh["tp"].get_local_rank() == 0 and pp_rank == dims.pp - 1
-        per_dp = self.plan.per_dp
-        self.monitor = StepMonitor(
-            cfg.monitor,
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-            local_world_size=world.local_world_size(),
-            device=self.device,
-            max_steps=cfg.max_steps,
-            samples_per_step=per_dp if counts else 0,
-            tokens_per_step=per_dp * self.engine.tokens_per_sample if counts else 0,
-            params=self.params,
-            custom_metrics=(*self.moe.metric_names, *(METRICS if cfg.energy.active else ())),
-            echo=self.progress.write if cfg.progress else None,
-        )
+        cfg, runtime = self.cfg, self.runtime
+        seen = observe(self.engine, cfg, self.dims, runtime=runtime, per_dp=self.plan.per_dp,
+                       device=self.device, params=self.params, num_params=self.built.num_params,
+                       metric_names=self.moe.metric_names)
+        self.progress, self.write, self.monitor, self.energy = seen
         self._stack.push(lambda kind, *_: self.monitor.close(failed=kind is not None))
         self._stack.callback(self.progress.close)
-        self.monitor.track_params({**cfg.to_dict(), **self.engine.settings, "run": {  # TensorBoard, MLflow
-            "model": self.engine.name, "num_params": self.built.num_params, "world_size": runtime.world_size,
-            "backend": runtime.backend}})
-        self.energy = EnergyTracker(  # reads a counter: losses are the same with it off
-            cfg.energy, cfg.carbon, rank=runtime.rank, device=self.device,
-            samples_per_step=per_dp if counts else 0,
-            tokens_per_step=per_dp * self.engine.tokens_per_sample if counts else 0,
-            log=self.monitor.log if self.monitor.on else None,  # Prometheus, dashboard, report
-        )
         self.energy.start()
         self.ckpt.around_save = lambda: self.energy.phase("checkpoint")  # energy by phase
         self.carbon = CarbonControl(  # time shifting and scaling: rank 0 decides, every rank follows

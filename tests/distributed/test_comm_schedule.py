@@ -106,3 +106,48 @@ def test_priority_equals_ddp_bitwise(optimizer: str, clip: float, partition: int
                     f"optimizer state {key}.{field}"
                 )
     assert torch.equal(prio[0]["state"]["emb.weight"], prio[1]["state"]["emb.weight"])
+
+
+def _engine_run(schedule: str, ckpt_dir: str, report: str) -> dict:
+    from torsh_distributed.train import TrainConfig, train
+
+    cfg = TrainConfig.from_dict(
+        {
+            "max_steps": 8,
+            "batch_size": 8,
+            "progress": False,
+            "eval_batches": 2,
+            "data": {"max_bytes": 200_000},
+            "model": {"block_size": 32, "n_layer": 2, "n_head": 2, "d_model": 64},
+            "optim": {"grad_clip": 0.0},
+            "checkpoint": {"dir": ckpt_dir, "every": 4},
+            "monitor": {"enabled": True, "every": 2, "report_json": report},
+            "comm": {"schedule": schedule}
+            | ({"partition_kb": 16, "credit_kb": 32} if schedule == "priority" else {}),
+        }
+    )
+    result = train(cfg)
+    return {"losses": result.losses, "val": result.val_loss, "comm": result.comm}
+
+
+@pytest.mark.timeout(180)
+def test_engine_priority_equals_fifo(tmp_path) -> None:
+    """The trainer's --comm-schedule priority (checkpoints every 4 steps drain the exchange,
+    the monitor gets the link estimate) gives DDP's losses bit for bit."""
+    import json
+
+    runs = {}
+    for schedule in ("fifo", "priority"):
+        report = str(tmp_path / f"{schedule}.json")
+        args = (schedule, str(tmp_path / schedule), report)
+        runs[schedule] = run_distributed(_engine_run, 2, args=args, timeout=150)[0]
+    assert runs["priority"]["losses"] == runs["fifo"]["losses"]
+    assert runs["priority"]["val"] == runs["fifo"]["val"]
+    comm = runs["priority"]["comm"]
+    assert comm["schedule"] == "priority" and comm["chunks"] > 4 and runs["fifo"]["comm"] == {}
+    assert comm["bandwidth"]["bandwidth_mbit"] > 0
+    text = json.dumps(json.loads((tmp_path / "priority.json").read_text()))
+    assert "comm_bandwidth_mbit" in text
+    assert sorted(p.name for p in (tmp_path / "priority").iterdir()) == sorted(
+        p.name for p in (tmp_path / "fifo").iterdir()
+    )

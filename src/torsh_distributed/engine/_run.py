@@ -46,6 +46,8 @@ from torsh_distributed.engine._compression import GradCompression
 from torsh_distributed.engine._memory import MemoryReport, planner_optimizer
 from torsh_distributed.engine._moe import MoEHooks
 from torsh_distributed.engine._observe import announcement, observe
+from torsh_distributed.engine._schedule import METRICS as SCHEDULE_METRICS
+from torsh_distributed.engine._schedule import CommSchedule
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.optim import build_optimizer, lr_at
 from torsh_distributed.engine.progress import Progress
@@ -131,6 +133,7 @@ class Run:
     monitor: StepMonitor
     energy: EnergyTracker
     carbon: CarbonControl
+    schedule: CommSchedule
 
     def __init__(self, engine: EngineInputs, runtime: world.Runtime, *, started: float) -> None:
         self.engine, self.runtime, self.started = engine, runtime, started
@@ -187,6 +190,9 @@ class Run:
         self._build_model()
         self._build_optimizer()
         self._attach_compression()
+        # --comm-schedule priority: the optimizer steps per chunk in the exchange's thread
+        self.schedule = CommSchedule(self.built.forward, self.optimizer, grad_clip=cfg.optim.grad_clip)
+        self._stack.callback(self.schedule.close)
         self.comm = CommSetup(
             cfg.comm,
             self.built.forward if self.built.forward is not None else self.built.holder,
@@ -322,12 +328,13 @@ class Run:
         cfg, runtime = self.cfg, self.runtime
         seen = observe(self.engine, cfg, self.dims, runtime=runtime, per_dp=self.plan.per_dp,
                        device=self.device, params=self.params, num_params=self.built.num_params,
-                       metric_names=self.moe.metric_names)
+                       metric_names=(*self.moe.metric_names, *(SCHEDULE_METRICS if self.schedule.on else ())))
         self.progress, self.write, self.monitor, self.energy = seen
         self._stack.push(lambda kind, *_: self.monitor.close(failed=kind is not None))
         self._stack.callback(self.progress.close)
         self.energy.start()
-        self.ckpt.around_save = lambda: self.energy.phase("checkpoint")  # energy by phase
+        self.ckpt.around_save = lambda: self.schedule.drained(  # the last updates first
+            lambda: self.energy.phase("checkpoint"))  # energy by phase
         self.carbon = CarbonControl(  # time shifting and scaling: rank 0 decides, every rank follows
             cfg, main=runtime.is_main, world_size=runtime.world_size, start_step=self.start_step,
             write=self.write, device=self.device, save=lambda step: self.ckpt.save_now(step, self.losses),
@@ -348,19 +355,26 @@ class Run:
         lr = self._set_lr(step)
         x, y = self.prefetch.take(step)
         monitor.phase("data")
-        optimizer.zero_grad(set_to_none=True)
+        if not self.schedule.on:  # the priority exchange consumes the gradients itself
+            optimizer.zero_grad(set_to_none=True)
         loss = self._forward_backward(x, y)
         monitor.phase("backward")
-        self._exchange_grads()
-        self.scaler.unscale(optimizer)  # fp16: true gradients before clipping
-        grad_norm = self._clip()  # reported by --monitor when clipping computes it
-        self.scaler.step(optimizer)  # fp16: skipped on every rank if a gradient overflowed
+        if self.schedule.on:  # exchange, clipping and updates proceed in the background
+            grad_norm = self.schedule.submit()
+            self.schedule.after_step(monitor.log if monitor.on else None)  # the measured link
+        else:
+            self._exchange_grads()
+            self.scaler.unscale(optimizer)  # fp16: true gradients before clipping
+            grad_norm = self._clip()  # reported by --monitor when clipping computes it
+            self.scaler.step(optimizer)  # fp16: skipped on every rank if a gradient overflowed
         if self.scheduler is not None:
             self.scheduler.step()
         self.moe.after_step(monitor, step + 1)  # bias balancing, load statistics, rebalancing
         monitor.phase("optimizer")
         if self.prefetch.ahead(step + 1):  # CUDA: while the queued kernels run (S.Prefetch)
             monitor.phase("data")
+        if step == self.start_step:  # the memory measure reads the optimizer's state
+            self.schedule.wait()
         self.memory.after_step(
             self.built.holder, optimizer, main=self.runtime.is_main, write=self.write
         )
@@ -520,6 +534,7 @@ class Run:
             ValueError: no step was trained (the run resumed at ``max_steps``).
         """
         cfg, engine, dims, losses = self.cfg, self.engine, self.dims, self.losses
+        self.schedule.wait()  # the last step's updates
         self.progress.close()
         monitor_report = self.monitor.finish(close=False)  # last aggregation (collective), report
         energy, carbon = self.energy.finish()  # every rank's figures (collective)
@@ -563,6 +578,7 @@ class Run:
             moe=self.moe.summary(),
             energy=energy,
             carbon=carbon,
+            comm=self.schedule.summary(),
         )
         if self.runtime.is_main and not stopped:  # the table, --summary-json, --plot
             report_result(

@@ -99,10 +99,10 @@ class CommSchedule:
             log("comm_latency_ms", link.alpha_s * 1e3)
 
     def summary(self) -> dict[str, Any]:
-        """The summary's ``comm`` block: ``schedule`` and, with ``priority``, the partition,
-        credit, chunks, ``bandwidth`` (the link fit) and the ``auto`` decisions."""
+        """The summary's ``comm`` block with ``priority``: ``schedule``, the partition, credit,
+        chunks, ``bandwidth`` (the link fit) and the ``auto`` decisions; {} with ``fifo``."""
         if self.model is None:
-            return {"schedule": "fifo"}
+            return {}
         return self.model.summary()
 
     def close(self) -> None:

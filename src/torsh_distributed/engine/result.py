@@ -62,6 +62,10 @@ class TrainResult:
     """Mixed precision: dtypes, and with fp16 the final loss scale and the skipped steps."""
     moe: dict = field(default_factory=dict)
     """MoE layers: tokens per expert over the run (all ranks), dropped share, load CV; {} without."""
+    comm: dict = field(default_factory=dict)
+    """``--comm-schedule priority``: ``schedule``, ``partition_kb``, ``credit_kb``, ``chunks``,
+    ``bandwidth`` (the link measured from the exchange's own all-reduces: ``bandwidth_mbit``,
+    ``latency_ms``, ``samples``, ``sizes``) and the ``auto`` ``decisions``; {} with ``fifo``."""
     energy: dict = field(default_factory=dict)
     """The training steps' energy: ``joules``, ``joules_per_step`` / ``_per_sample`` /
     ``_per_token``, ``average_power_w``, ``source`` (``measured`` or ``estimated``), ``meter``

@@ -452,6 +452,16 @@ def _handle(args: argparse.Namespace) -> int:
         return launch_scaled(config, user, options, scaled, check_world=_check_world)
     if inside_launch or (options.nproc_per_node == 1 and options.nnodes in ("1", "1:1")):
         return _train_here(config, user)
+    if config.ft.enabled:  # replica groups: only a dead rank's group restarts
+        from torsh_distributed.ft.launch import launch_groups
+
+        if options.nnodes not in ("1", "1:1"):
+            raise SystemExit("error: --ft.replica-groups runs on one node (--nnodes 1) for now")
+        return launch_groups(
+            [sys.executable, "-m", "torsh_distributed.train", "--config-json", config.to_json(),
+             *(user.to_args() if user else [])],
+            nproc=options.nproc_per_node, section=config.ft,
+        )
     from torsh_distributed.elastic.launch import launch
 
     return launch(

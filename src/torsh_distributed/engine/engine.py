@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.data.sampler import EpochSampler, GlobalSampler, ReplacementSampler
+from torsh_distributed.engine._ft import FTRun, train_steps
 from torsh_distributed.engine._run import EVAL_STEP_BASE, OptimizerFactory, Run, SchedulerFactory
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.result import TrainResult
@@ -202,9 +203,10 @@ class Engine:
                 world.shutdown()
 
     def _fit(self, runtime: world.Runtime, started: float) -> TrainResult:
-        with Run(self, runtime, started=started) as run:  # releases what setup opened
+        kind = FTRun if self.config.ft.enabled else Run  # replica groups: torchft's steps
+        with kind(self, runtime, started=started) as run:  # releases what setup opened
             run.setup()
-            for step in range(run.start_step, self.config.max_steps):
+            for step in train_steps(run, run.start_step, self.config.max_steps):
                 run.step(step)
                 if run.carbon.stopped:  # carbon-aware scaling: the next segment goes on
                     break

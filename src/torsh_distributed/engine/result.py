@@ -77,6 +77,10 @@ class TrainResult:
     ``seconds``, ``intensity``), ``paused_s``, ``deadline`` and ``met_deadline``. With
     ``--carbon.scale``, ``scaling``: every segment's world size, steps, joules and grams, the
     decisions and the job's totals (the blocks' other figures are the last segment's)."""
+    ft: dict = field(default_factory=dict)
+    """Fault-tolerant replica groups (``ft.replica_groups`` > 1): ``replica_groups``,
+    ``failures`` (``rank``, ``group``, ``step``, ``restarted_ranks``, ``recovery_s``, ...),
+    ``steps`` (the groups present at each step); {} without."""
 
     def summary(self) -> dict[str, Any]:
         """The summary fields (everything except the per-step and per-evaluation losses)."""

@@ -1,0 +1,276 @@
+"""The replica-group launcher: R groups of ranks on this host, and only a dead rank's group restarts.
+
+It starts torchft's lighthouse (the quorum service, 127.0.0.1) and the job's store (live state
+between groups, :mod:`torsh_distributed.ft._transport`), then each group's ranks as one
+torchrun-style world of its own (``RANK``/``WORLD_SIZE``/``MASTER_PORT`` of the group). When a
+rank dies, the rest of its group is killed (their process group is broken) and the group is
+started again after a back-off (``ft.backoff_s``, doubled per restart of that group); the other
+groups keep their processes and step on. A group that fails more than ``ft.max_restarts`` times
+is given up: the job goes on without it while ``ft.min_groups`` groups remain, and stops with
+one line saying so otherwise. When every group holding live state is down at once, nothing can
+heal the others: the job stops (resume from a checkpoint) instead of silently starting over.
+
+Usage::
+
+    python -m torsh_distributed.ft.launch --nproc 4 --replica-groups 2 script.py [args]
+
+or ``torsh-dist train --nproc-per-node 4 --ft.replica-groups 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torsh_distributed.ft.config import FTConfig
+from torsh_distributed.ft.replica import append_event, read_events
+
+__all__ = ["launch_groups", "main"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class _Group:
+    index: int
+    ranks: list[int]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    incarnation: int = 0
+    restarts: int = 0
+    restart_at: float | None = None  # when a back-off ends
+    healthy: bool = True  # holds live state (first incarnation, or healed)
+    given_up: bool = False
+    done: bool = False
+
+
+def launch_groups(
+    argv: Sequence[str],
+    *,
+    nproc: int,
+    section: FTConfig,
+    env: Mapping[str, str] | None = None,
+    write: Callable[[str], None] | None = None,
+) -> int:
+    """Run ``argv`` as ``nproc`` ranks in ``section.replica_groups`` groups; the exit status.
+
+    Args:
+        argv: The worker command (``[sys.executable, "-m", "pkg", ...]``), the same on every rank.
+        nproc: Ranks in all; a multiple of the number of groups.
+        section: The ``ft`` configuration (groups, restarts, back-off, minimum groups).
+        env: Base environment of the workers (``os.environ`` by default); ``TORSH_FT_FAULT``
+            in it injects kills (``kill:rank=R:step=S[:attempt=N]``, global rank, tests).
+        write: Where the launcher's lines go (stdout by default).
+
+    Raises:
+        ValueError: ``nproc`` is not a multiple of the groups.
+    """
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at info
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    groups_n = section.replica_groups
+    if nproc % groups_n:
+        raise ValueError(
+            f"--nproc-per-node {nproc} is not a multiple of ft.replica_groups {groups_n}"
+        )
+    say = write or (lambda text: print(text, flush=True))
+    size = nproc // groups_n
+    base = dict(os.environ if env is None else env)
+    base.setdefault("RUST_LOG", "warn")  # torchft's quorum logs a few lines per step at info
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=200,
+        heartbeat_timeout_ms=int(section.heartbeat_timeout_s * 1000),
+    )
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    directory = tempfile.mkdtemp(prefix="torsh-ft-")
+    groups = [_Group(g, list(range(g * size, (g + 1) * size))) for g in range(groups_n)]
+
+    def start(group: _Group) -> None:
+        port = _free_port()
+        group.procs = []
+        for local, rank in enumerate(group.ranks):
+            worker_env = {
+                **base,
+                "RANK": str(local),
+                "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(size),
+                "LOCAL_WORLD_SIZE": str(size),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RESTART_COUNT": str(group.incarnation),
+                "TORCHELASTIC_RUN_ID": f"ft-g{group.index}",
+                "TORSH_FT_GROUP": str(group.index),
+                "TORSH_FT_GROUPS": str(groups_n),
+                "TORSH_FT_RANK": str(rank),
+                "TORSH_FT_LIGHTHOUSE": lighthouse.address(),
+                "TORSH_FT_STORE": f"127.0.0.1:{store.port}",
+                "TORSH_FT_DIR": directory,
+            }
+            group.procs.append(subprocess.Popen(list(argv), env=worker_env))
+
+    def kill(group: _Group) -> None:
+        for p in group.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in group.procs:
+            p.wait()
+
+    say(
+        f"ft: {nproc} ranks in {groups_n} replica groups of {size} (lighthouse {lighthouse.address()})"
+    )
+    for group in groups:
+        start(group)
+    seen_events = 0
+    status = 0
+    try:
+        while True:
+            now = time.time()
+            events = read_events(directory)
+            for event in events[seen_events:]:
+                if event["event"] == "healed":
+                    group = groups[event["group"]]
+                    if event["incarnation"] == group.incarnation:
+                        group.healthy = True
+                        died = max(
+                            (
+                                e["time"]
+                                for e in events
+                                if e["event"] == "died" and e["group"] == group.index
+                            ),
+                            default=event["time"],
+                        )
+                        say(
+                            f"ft: group {group.index} rejoined at step {event['step']}, "
+                            f"{event['time'] - died:.1f} s after its rank died (live state "
+                            "from a healthy group)"
+                        )
+            seen_events = len(events)
+            for group in groups:
+                if group.given_up or group.done:
+                    continue
+                if group.restart_at is not None:
+                    if now >= group.restart_at:
+                        group.restart_at = None
+                        start(group)
+                    continue
+                codes = [p.poll() for p in group.procs]
+                if all(c == 0 for c in codes):
+                    group.done = True
+                    for other in groups:  # the job is done: a group still healing is not needed
+                        if not (other.done or other.given_up or other.healthy):
+                            kill(other)
+                            other.done, other.restart_at = True, None
+                            say(f"ft: group {other.index} had not rejoined when the job ended")
+                    continue
+                bad = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+                if bad is None:
+                    continue
+                code = codes[bad]
+                assert code is not None
+                kill(group)
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+                rank = group.ranks[bad]
+                append_event(
+                    directory,
+                    {
+                        "event": "died",
+                        "rank": rank,
+                        "group": group.index,
+                        "time": now,
+                        "incarnation": group.incarnation,
+                        "restarted_ranks": group.ranks,
+                        "signal": how,
+                    },
+                )
+                group.healthy = False
+                alive = [g for g in groups if g.healthy and not g.given_up]
+                if not alive:
+                    say(
+                        f"ft: rank {rank} (group {group.index}) died ({how}) and no replica group "
+                        "holds live state any more (all failed at once): stopping; resume from "
+                        "a checkpoint"
+                    )
+                    return 1
+                if group.restarts >= section.max_restarts:
+                    group.given_up = True
+                    append_event(
+                        directory, {"event": "given_up", "group": group.index, "time": now}
+                    )
+                    left = sum(1 for g in groups if not g.given_up)
+                    if left < section.min_groups:
+                        say(
+                            f"ft: group {group.index} failed {group.restarts + 1} times "
+                            f"(ft.max_restarts {section.max_restarts}); {left} group(s) left, "
+                            f"fewer than ft.min_groups {section.min_groups}: stopping"
+                        )
+                        return 1
+                    say(
+                        f"ft: group {group.index} failed {group.restarts + 1} times "
+                        f"(ft.max_restarts {section.max_restarts}): going on without it "
+                        f"({left} of {groups_n} groups left)"
+                    )
+                    continue
+                wait = section.backoff_s * 2**group.restarts
+                group.restarts += 1
+                group.incarnation += 1
+                group.restart_at = now + wait
+                say(
+                    f"ft: rank {rank} (group {group.index}) died ({how}); restarting group "
+                    f"{group.index} (ranks {', '.join(map(str, group.ranks))}) in {wait:.1f} s "
+                    f"(restart {group.restarts} of {section.max_restarts}); the other groups "
+                    "keep stepping"
+                )
+            if all(g.done or g.given_up for g in groups):
+                status = 0 if any(g.done for g in groups) else 1
+                return status
+            time.sleep(0.02)
+    finally:
+        for group in groups:
+            kill(group)
+        lighthouse.shutdown()
+
+
+_D = FTConfig()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m torsh_distributed.ft.launch",
+        description="Run a script as fault-tolerant replica groups (docs/fault-tolerance.md).",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="ranks in all")
+    parser.add_argument("--replica-groups", type=int, required=True, help="groups R")
+    parser.add_argument("--max-restarts", type=int, default=_D.max_restarts)
+    parser.add_argument("--backoff-s", type=float, default=_D.backoff_s)
+    parser.add_argument("--min-groups", type=int, default=_D.min_groups)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=_D.heartbeat_timeout_s)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    section = FTConfig(
+        replica_groups=ns.replica_groups,
+        max_restarts=ns.max_restarts,
+        backoff_s=ns.backoff_s,
+        min_groups=ns.min_groups,
+        heartbeat_timeout_s=ns.heartbeat_timeout_s,
+    )
+    return launch_groups([sys.executable, ns.script, *ns.args], nproc=ns.nproc, section=section)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -279,6 +279,7 @@ def _check_ft(cfg: EngineConfig) -> None:
         ("--checkpoint-dir", bool(cfg.checkpoint.dir)),
         ("--carbon.scale", cfg.carbon.scale),
         ("--param-dtype fp16", par.param_dtype == "fp16"),
+        ("--comm-schedule priority", cfg.comm.schedule == "priority"),
     ):
         if on:
             raise ValueError(

@@ -2,12 +2,16 @@
 collective can have completed (the peer has not called it yet) and the caller keeps running
 Python; a mix of asynchronous and waiting calls of every kind completes in call order with
 Gloo's results; DDP's bucket all-reduces run on the progress thread and train as on Gloo; a
-group destroyed while an operation waits for a peer fails that work and leaves nothing behind.
+group destroyed while an operation waits for a peer fails that work and leaves nothing behind; a
+peer that dies during DDP's backward fails the backward with our message (it once crashed the
+reducer: torch's ``Future.set_exception`` completes a future with the exception as its value).
 (A dead or hung peer seen through ``Work.wait()``: tests/distributed/test_shm_safety.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -16,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torsh_distributed.runtime.errors import CommunicationError
-from torsh_distributed.testing import run_distributed
+from torsh_distributed.testing import RankFailedError, run_distributed
 
 pytestmark = [
     pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm"),
@@ -159,3 +163,33 @@ def test_a_group_destroyed_while_an_async_op_waits_fails_the_work():
     assert error is not None and "cancelled: the process group is shutting down" in error
     assert not results[0]["thread_alive"]
     assert not (Path("/dev/shm") / results[0]["name"]).exists()
+
+
+def _ddp_peer_dies(out: str) -> None:
+    from torsh_distributed.runtime import world
+
+    world.init(backend="gloo+shm", timeout=30.0)  # a dead peer is seen in 0.25 s regardless
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    ddp(torch.randn(8, 256)).sum().backward()
+    loss = ddp(torch.randn(8, 256)).sum()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # after the forward: rank 0's backward waits on it
+    start = time.monotonic()
+    try:
+        loss.backward()
+        error = None
+    except RuntimeError as exc:  # DDP's reducer waits in C++: torch wraps the error it got
+        error = str(exc)
+    Path(out).write_text(json.dumps({"error": error, "elapsed": time.monotonic() - start}))
+
+
+def test_a_peer_dying_during_ddp_backward_fails_the_backward_with_our_message(tmp_path):
+    out = tmp_path / "rank0.json"
+    with pytest.raises(RankFailedError, match="rank 1 of 2 failed"):
+        run_distributed(_ddp_peer_dies, 2, args=(str(out),), init=False, timeout=120)
+    result = json.loads(out.read_text())
+    assert result["error"] is not None, "rank 0's backward finished without its peer"
+    assert "rank 1 did not reach all_reduce(sum) over shared memory: its process" in result["error"]
+    assert result["elapsed"] < 30  # the dead process was seen, not the group's timeout

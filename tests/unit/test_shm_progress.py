@@ -75,8 +75,8 @@ def test_a_jobs_error_is_raised_by_wait_and_set_on_the_future():
         work.wait()
     assert caught.value is error  # the same exception, so the same one-line message
     assert not work.is_success() and work.exception() is error
-    with pytest.raises(DistributedTimeoutError, match="rank 1 did not reach all_reduce"):
-        work.get_future().wait()
+    with pytest.raises(Exception, match="rank 1 did not reach all_reduce"):
+        work.get_future().wait()  # an error of the future, as C++ waits (DDP's reducer) see it
     # a waiting caller whose job runs in its own thread gets the error from the call itself
     with pytest.raises(DistributedTimeoutError) as inline:
         progress.submit(fail, _work(), caller_waits=True)

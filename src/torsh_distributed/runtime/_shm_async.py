@@ -46,15 +46,22 @@ class ShmWork(dist._Work):
         self._operation = operation
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: Future = Future()
+        # torch's Future.set_exception completes the future with the exception as its *value*
+        # (only Python's wait() raises it): DDP's reducer, waiting in C++, would take that value
+        # for its bucket and crash. An error raised by a ``then`` callback is a real error of
+        # the child future, which C++ waits see too (a RuntimeError carrying the message).
+        self._base: Future = Future()
+        self._future: Future = self._base.then(self._outcome)
+
+    def _outcome(self, _base: Future) -> list[torch.Tensor]:
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
         self._done.set()
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
+        self._base.set_result(None)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the operation has run; raise its error (the same exception) if it failed.

@@ -122,7 +122,7 @@ def _engine_run(schedule: str, ckpt_dir: str, report: str) -> dict:
             "optim": {"grad_clip": 0.0},
             "checkpoint": {"dir": ckpt_dir, "every": 4},
             "monitor": {"enabled": True, "every": 2, "report_json": report},
-            "comm": {"schedule": schedule}
+            "comm": {"exchange_schedule": schedule}
             | ({"partition_kb": 16, "credit_kb": 32} if schedule == "priority" else {}),
         }
     )

@@ -100,14 +100,14 @@ def test_chunks_cut_big_tensors_and_merge_small_ones() -> None:
 
 
 def test_config_refuses_bad_schedule_settings() -> None:
-    with pytest.raises(ValueError, match="comm.schedule must be one of fifo, priority"):
-        CommConfig(schedule="lifo")
+    with pytest.raises(ValueError, match="--comm-schedule must be one of fifo, priority"):
+        CommConfig(exchange_schedule="lifo")
     with pytest.raises(ValueError, match="partition_kb applies to --comm-schedule priority only"):
         CommConfig(partition_kb=64)
     with pytest.raises(ValueError, match="credit_kb .* must be >= comm.partition_kb"):
-        CommConfig(schedule="priority", partition_kb=512, credit_kb=256)
+        CommConfig(exchange_schedule="priority", partition_kb=512, credit_kb=256)
     from torsh_distributed.engine.config import EngineConfig
     from torsh_distributed.parallel.config import ParallelConfig
 
     with pytest.raises(ValueError, match="cannot run with --zero-stage 2"):
-        EngineConfig(comm=CommConfig(schedule="priority"), parallel=ParallelConfig(zero_stage=2))
+        EngineConfig(comm=CommConfig(exchange_schedule="priority"), parallel=ParallelConfig(zero_stage=2))

@@ -27,7 +27,7 @@ class CommConfig:
     """Seconds a debug-mode collective waits for the other ranks before the "never arrived" report."""
     node_assignment: str = ""
     """Node id per rank (``0,0,1,1``) for hierarchical/auto; empty = host names."""
-    schedule: str = field(default="fifo", metadata={"flags": ["--comm-schedule"]})
+    exchange_schedule: str = field(default="fifo", metadata={"flags": ["--comm-schedule"]})
     """Order of the data-parallel gradient exchange: ``fifo`` (DDP's buckets in the order
     backward produces them; the optimizer steps after all of them) or ``priority`` (gradients
     cut into ``partition_kb`` chunks, sent first-layer-first with ``credit_kb`` in flight; each
@@ -47,15 +47,16 @@ class CommConfig:
             raise ValueError(
                 f"comm.algorithm must be empty or one of {', '.join(ALGORITHM_NAMES)}, got {self.algorithm!r}"
             )
-        if self.schedule not in SCHEDULES:
+        if self.exchange_schedule not in SCHEDULES:
             raise ValueError(
-                f"comm.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+                f"--comm-schedule must be one of {', '.join(SCHEDULES)}, "
+                f"got {self.exchange_schedule!r}"
             )
         for name in ("partition_kb", "credit_kb"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"comm.{name} must be >= 0 (0 = auto), got {value}")
-            if value and self.schedule != "priority":
+            if value and self.exchange_schedule != "priority":
                 raise ValueError(f"comm.{name} applies to --comm-schedule priority only")
         if self.credit_kb and self.partition_kb and self.credit_kb < self.partition_kb:
             raise ValueError(

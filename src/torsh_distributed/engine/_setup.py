@@ -175,7 +175,7 @@ def build_model(
             pipeline_stage=stage,
             blocks=blocks,
             device=device,
-            ddp=config.comm.schedule != "priority",
+            ddp=config.comm.exchange_schedule != "priority",
         )
         if meta and not first:
             materialize(module, device, seed=seed)
@@ -207,7 +207,7 @@ def build_model(
             order=order,
         )
     forward = shard(model, stage=False)
-    if config.comm.schedule == "priority" and dims.data_degree > 1:
+    if config.comm.exchange_schedule == "priority" and dims.data_degree > 1:
         forward = priority_wrap(forward, config)  # in place of DDP
     return BuiltModel(
         forward=forward,

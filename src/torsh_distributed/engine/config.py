@@ -279,7 +279,7 @@ def _check_ft(cfg: EngineConfig) -> None:
         ("--checkpoint-dir", bool(cfg.checkpoint.dir)),
         ("--carbon.scale", cfg.carbon.scale),
         ("--param-dtype fp16", par.param_dtype == "fp16"),
-        ("--comm-schedule priority", cfg.comm.schedule == "priority"),
+        ("--comm-schedule priority", cfg.comm.exchange_schedule == "priority"),
     ):
         if on:
             raise ValueError(
@@ -294,7 +294,7 @@ def _check_ft(cfg: EngineConfig) -> None:
 
 def _check_schedule(cfg: EngineConfig) -> None:
     """``--comm-schedule priority`` replaces DDP: refuse what it cannot serve, naming it."""
-    if cfg.comm.schedule != "priority":
+    if cfg.comm.exchange_schedule != "priority":
         return
     par = cfg.parallel
     clashes = [

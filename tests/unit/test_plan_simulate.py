@@ -233,7 +233,7 @@ def test_cli_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
         (["--pp", "4", "--interleave", "2", "--micro-batch", "8"], "multiple of --pp 4"),
         (["--micro-batch", "3"], "--global-batch 64 is not divisible"),
         (["--zero-stage", "5"], "--zero-stage must be one of 0, 1, 2, 3"),
-        (["--device", "cpu"], "--device cpu: the simulator has no CPU device model"),
+        (["--device", "cpu"], "--device cpu: the simulator has no CPU device model built in"),
     ],
 )
 def test_cli_refuses_bad_layouts_in_one_line(

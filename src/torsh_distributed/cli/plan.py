@@ -180,7 +180,7 @@ def _stage(text: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``plan`` with its ``memory``, ``strategy`` and ``simulate`` subcommands."""
+    """Add ``plan`` with its ``memory``, ``strategy``, ``simulate`` and ``profile`` subcommands."""
     plan = sub.add_parser(
         "plan",
         help="plan a run before launching it (memory per rank, parallel strategy, step simulation)",
@@ -247,8 +247,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--ac", type=_ac, default="none", help="activation checkpointing: none, full, every-K"
     )
     parser.set_defaults(handler=_handle)
+    from torsh_distributed.cli.plan_profile import add_profile
     from torsh_distributed.cli.plan_simulate import add_simulate
     from torsh_distributed.cli.plan_strategy import add_strategy
 
     add_strategy(plan_sub)
     add_simulate(plan_sub)
+    add_profile(plan_sub)

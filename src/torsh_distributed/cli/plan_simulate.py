@@ -41,7 +41,9 @@ dp = devices / (tp x pp x ep). --json prints {"step_s", "tflops_per_device", "mf
 
 The device model (GEMM and attention efficiency by shape, element-wise kernels by bandwidth)
 has two efficiencies fitted on two published runs (Megatron-LM 1.7B and 145.6B); the validation
-against the other published runs is in docs/benchmarks.md. See docs/planner.md, "Simulator".
+against the other published runs is in docs/benchmarks.md. On a CPU host, measure the device
+with `torsh-dist plan profile` and pass --device cpu --device-profile FILE (see its --help).
+See docs/planner.md, "Simulator".
 """
 
 
@@ -83,11 +85,18 @@ def print_simulated(result: SimResult) -> None:
 def _handle(args: argparse.Namespace) -> int:
     from torsh_distributed.plan.simulate import SimLayout, simulate
 
-    if args.device == "cpu":
+    device = None
+    if args.device_profile:
+        from torsh_distributed.plan.device_profile import load
+
+        device = load(args.device_profile)
+    elif args.device == "cpu":
         raise ValueError(
-            "--device cpu: the simulator has no CPU device model yet (issue 40, item 4); "
-            "use v100, a100, h100 or h200"
+            "--device cpu: the simulator has no CPU device model built in; measure one with "
+            "`torsh-dist plan profile` and pass it as --device-profile FILE"
         )
+    if args.device == "cpu" and not args.device_flops:
+        args.device_flops = device.peak_flops if device else 1e9  # the planner's rate: unused
     cfg = config(args)
     lay = SimLayout(
         tp=args.tp,
@@ -97,9 +106,10 @@ def _handle(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch,
         interleave=args.interleave,
         recompute=args.recompute,
+        backend=args.backend,
         **layout_options(args),
     )
-    result = simulate(cfg, lay, trace=args.trace is not None)
+    result = simulate(cfg, lay, device=device, trace=args.trace is not None)
     if args.trace:
         result.write_trace(args.trace)
     if args.json:
@@ -138,6 +148,17 @@ def add_simulate(plan_sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (0)")
     add_simulate_flags(t)
+    t.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="collective library: nccl (default) or gloo (its reduce-scatter costs an all-reduce)",
+    )
+    p.add_argument(
+        "--device-profile",
+        metavar="FILE",
+        help="a measured device model (torsh-dist plan profile) instead of --device's",
+    )
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the step")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     # plan strategy's search and rate flags do not apply: the device model sets the rate

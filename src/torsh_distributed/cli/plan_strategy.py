@@ -241,9 +241,10 @@ def add_simulate_flags(group: argparse._ArgumentGroup) -> None:
     """How a layout runs (shared by ``plan simulate`` and ``plan strategy --simulate``)."""
     group.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b", "interleaved"),
+        choices=("gpipe", "1f1b", "interleaved", "deepspeed"),
         default="1f1b",
-        help="pipeline schedule (1f1b; --interleave V > 1 implies interleaved)",
+        help="pipeline schedule (1f1b; --interleave V > 1 implies interleaved; deepspeed: "
+        "DeepSpeed's pipeline engine, blocking paired sends)",
     )
     group.add_argument(
         "--sequence-parallel",

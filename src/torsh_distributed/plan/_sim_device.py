@@ -13,7 +13,12 @@ Roofline with shape-dependent efficiency, torch-free:
 * flash attention (fused, no score matrix in memory) runs at ``attn_eff`` of peak: FlashAttention-2
   (Dao, 2023) reports 50-73 % of A100 peak forward and less backward; no validation row uses it.
 
-``peak_flops``, ``hbm_bw`` and ``sms`` are data-sheet numbers. ``gemm_eff`` and ``mem_eff`` are
+A measured device (``torsh-dist plan profile``, :mod:`torsh_distributed.plan.device_profile`:
+a CPU) replaces the roofline by what was timed on it: the seconds of every GEMM shape the
+simulator asks for (``measured``), the element-wise bandwidth, the fused attention's rate and its
+backward-to-forward ratio, and the optimizer step per parameter; no tile quantisation.
+
+For the accelerators, ``peak_flops``, ``hbm_bw`` and ``sms`` are data-sheet numbers. ``gemm_eff`` and ``mem_eff`` are
 the free parameters: fitted on two published runs (:data:`CALIBRATED`), held for
 every other prediction. ``attn_eff`` is taken from the FlashAttention-2 paper, not fitted.
 """
@@ -21,9 +26,10 @@ every other prediction. ``attn_eff`` is taken from the FlashAttention-2 paper, n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
-__all__ = ["CALIBRATED", "DEVICES", "DeviceModel", "device_model"]
+__all__ = ["CALIBRATED", "DEVICES", "DeviceModel", "device_model", "gemm_key"]
 
 _TILES = ((256, 128), (128, 128))
 
@@ -49,6 +55,22 @@ class DeviceModel:
     """Fraction of ``hbm_bw`` an element-wise kernel reaches (fitted)."""
     attn_eff: float = 0.55
     """Fraction of peak of a fused (flash) attention kernel (FlashAttention-2 paper, not fitted)."""
+    flash_backward: float = 2.5
+    """Seconds of the fused attention's backward over its forward (FlashAttention-2: 2.5)."""
+    quantise: bool = True
+    """Tile and wave quantisation of GEMMs (GPUs); off for a measured device."""
+    streams: bool = True
+    """Collectives can run beside the kernels (GPU streams). Off (a CPU): FSDP2 issues its
+    parameter all-gathers and gradient reduce-scatters on the "current stream", which on a CPU
+    is the training thread itself, so they block it (DDP's bucket all-reduces still run on the
+    backend's threads, overlapped)."""
+    measured: Mapping[str, float] = field(default_factory=dict)
+    """Measured seconds of GEMMs by :func:`gemm_key`; a shape not in it uses the roofline."""
+    optimizer_per_param: float = 0.0
+    """Measured seconds of the optimizer step (gradient clipping included) per local parameter;
+    0 = memory-bound, its bytes at the element-wise rate."""
+    source: str = "data sheet"
+    """Where the rates come from."""
 
     def gemm(
         self, m: float, n: float, k: float, *, batch: float = 1.0, dtype_bytes: int = 2
@@ -56,8 +78,13 @@ class DeviceModel:
         """Seconds of ``batch`` GEMMs ``(m x k) @ (k x n)``."""
         if min(m, n, k, batch) <= 0:
             return 0.0
+        seconds = self.measured.get(gemm_key(m, n, k, batch, dtype_bytes))
+        if seconds is not None:
+            return seconds
         flops = 2.0 * m * n * k * batch
-        q = max(_quantisation(m, n, batch, self.sms, tile) for tile in _TILES)
+        q = 1.0
+        if self.quantise:
+            q = max(_quantisation(m, n, batch, self.sms, tile) for tile in _TILES)
         compute = flops / (self.peak_flops * self.gemm_eff * q)
         memory = dtype_bytes * batch * (m * k + k * n + m * n) / (self.hbm_bw * self.mem_eff)
         return max(compute, memory)
@@ -69,6 +96,17 @@ class DeviceModel:
     def flash(self, flops: float) -> float:
         """Seconds of a fused attention kernel doing ``flops``."""
         return flops / (self.peak_flops * self.attn_eff)
+
+    def optimizer(self, params: float, nbytes: float) -> float:
+        """Seconds of the optimizer step on ``params`` local parameters moving ``nbytes``."""
+        if self.optimizer_per_param > 0:
+            return params * self.optimizer_per_param
+        return self.elementwise(nbytes)
+
+
+def gemm_key(m: float, n: float, k: float, batch: float = 1.0, dtype_bytes: int = 2) -> str:
+    """The key of one GEMM shape in :attr:`DeviceModel.measured`."""
+    return f"{m:g}x{n:g}x{k:g}x{batch:g}:{dtype_bytes}"
 
 
 def _quantisation(m: float, n: float, batch: float, sms: int, tile: tuple[int, int]) -> float:
@@ -103,8 +141,8 @@ def device_model(
     if kind not in DEVICES:
         kinds = ", ".join(DEVICES)
         raise ValueError(
-            f"--device {kind!r} has no simulator device model (one of {kinds}); a CPU model "
-            "from `plan profile` is not built yet"
+            f"--device {kind!r} has no simulator device model (one of {kinds}); for a CPU, "
+            "measure one with `torsh-dist plan profile` and pass it as --device-profile FILE"
         )
     return replace(
         DEVICES[kind],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torsh_distributed.plan._sim_network import TOPOLOGIES
+from torsh_distributed.plan._sim_network import BACKENDS, TOPOLOGIES
 from torsh_distributed.plan._sim_schedule import SCHEDULES
 
 __all__ = ["RECOMPUTE", "SimLayout"]
@@ -29,7 +29,8 @@ class SimLayout:
     micro_batch: int = 1
     """Sequences per micro-batch."""
     schedule: str = "1f1b"
-    """``gpipe``, ``1f1b``, or ``interleaved`` (needs ``interleave`` > 1)."""
+    """``gpipe``, ``1f1b``, ``interleaved`` (needs ``interleave`` > 1) or ``deepspeed``
+    (DeepSpeed's pipeline engine: blocking paired sends, lock-step neighbours)."""
     interleave: int = 1
     """Model chunks per pipeline rank (v of the interleaved schedule)."""
     recompute: str = "none"
@@ -52,6 +53,10 @@ class SimLayout:
     """Between nodes: ``rail`` (full bisection) or ``fat-tree`` (with ``oversubscription``)."""
     oversubscription: float = 1.0
     """Fat-tree: inter-node bandwidth divided by this."""
+    backend: str = "nccl"
+    """Collective library: ``nccl`` (ring reduce-scatter and all-gather, half an all-reduce's
+    time) or ``gloo`` (torch's Gloo reduce-scatter takes an all-reduce's time: measured on the
+    network lab, docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "micro_batch", "interleave"):
@@ -69,10 +74,16 @@ class SimLayout:
             raise ValueError(
                 f"--schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
             )
+        if self.interleave > 1 and self.schedule == "deepspeed":
+            raise ValueError(f"--interleave needs the 1f1b schedule, not {self.schedule}")
         if self.interleave > 1 and self.schedule == "1f1b":
             self.schedule = "interleaved"
         if self.schedule == "interleaved" and self.interleave < 2:
             raise ValueError("--schedule interleaved needs --interleave V >= 2")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"--backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
+            )
         if self.topology not in TOPOLOGIES:
             raise ValueError(
                 f"--topology must be one of {', '.join(TOPOLOGIES)}; got {self.topology!r}"

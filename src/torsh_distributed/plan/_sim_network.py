@@ -8,7 +8,8 @@ switch i, full bisection) or ``fat-tree`` with ``oversubscription`` R (the inter
 a group divided by R). Collective times are the alpha-beta ring models of
 :class:`torsh_distributed.comm.cost_model.CostModel`: all-reduce ``2 (n-1) (alpha + B / (n bw))``;
 reduce-scatter and all-gather are half of it (``n - 1`` steps of ``B / n``), an all-to-all the
-same ``(n - 1) / n`` of the bytes per rank. Different groups' collectives running at the same
+same ``(n - 1) / n`` of the bytes per rank; with the ``gloo`` backend a reduce-scatter costs an
+all-reduce (torch's Gloo reduce-scatter, timed on the network lab). Different groups' collectives running at the same
 time on one NIC are not modelled beyond that share (no contention between, e.g., a pipeline
 send and a data-parallel all-reduce).
 """
@@ -24,9 +25,10 @@ from torsh_distributed.plan._cost import Link, _link
 if TYPE_CHECKING:
     from torsh_distributed.plan._strategy_config import StrategyConfig
 
-__all__ = ["TOPOLOGIES", "Network"]
+__all__ = ["BACKENDS", "TOPOLOGIES", "Network"]
 
 TOPOLOGIES = ("rail", "fat-tree")
+BACKENDS = ("nccl", "gloo")
 _OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
@@ -37,6 +39,7 @@ class Network:
     cfg: StrategyConfig
     topology: str = "rail"
     oversubscription: float = 1.0
+    backend: str = "nccl"
 
     def link(self, size: int, stride: int) -> Link:
         """The link of a group of ``size`` ranks ``stride`` apart (ranks numbered node by node)."""
@@ -56,7 +59,8 @@ class Network:
         cost = LinkCost(alpha=link.alpha, beta=1.0 / link.bandwidth)
         model = CostModel(intra=cost, inter=cost)
         ring = model.estimate("ring", int(nbytes), ranks=size, nodes=1)
-        return ring if op == "all_reduce" else ring / 2
+        full = op == "all_reduce" or (op == "reduce_scatter" and self.backend == "gloo")
+        return ring if full else ring / 2
 
     def p2p(self, nbytes: float, stride: int) -> float:
         """Seconds of one send of ``nbytes`` to the rank ``stride`` away."""

@@ -11,6 +11,14 @@ Orders (Narayanan et al. 2021, section 2.2): ``gpipe`` (all forwards, then all b
 ``1f1b`` (PipeDream-Flush: ``p - r - 1`` warm-up forwards on rank ``r``, then one forward one
 backward, then the cool-down backwards) and ``interleaved`` (``v`` chunks per rank, virtual stage
 ``c * p + r``; Megatron-LM's order, which needs the micro-batches to be a multiple of ``p``).
+
+``deepspeed`` is DeepSpeed's pipeline engine (``TrainSchedule``, the pipeline of
+Megatron-DeepSpeed: MT-NLG, BLOOM), played by :func:`play_deepspeed`: ``2 (m + p - 1)`` steps per
+rank, even and odd stages alternating forward and backward, each step first exchanging the
+previous step's output with a neighbour and then computing; its sends and receives are
+blocking and paired ("must be paired ... to avoid deadlock", ``deepspeed/runtime/pipe/
+schedule.py``), so a send waits for its receiver and the neighbours run in lock-step: in the
+steady state a step lasts as long as the longer of a forward and a backward.
 """
 
 from __future__ import annotations
@@ -18,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Pass", "critical_path", "order", "play"]
+__all__ = ["SCHEDULES", "Pass", "critical_path", "order", "play", "play_deepspeed"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "deepspeed")
 
 
 @dataclass(slots=True, eq=False)
@@ -140,3 +148,89 @@ def critical_path(end: Pass) -> list[Pass]:
         path.append(node)
         node = node.cause
     return path[::-1]
+
+
+def _deepspeed_step(step: int, stage: int, p: int) -> tuple[int, bool]:
+    """DeepSpeed's ``TrainSchedule._step_to_micro_batch``: (micro-batch, is forward)."""
+    if step % 2 == stage % 2:  # even step on an even stage, odd on odd: forward
+        return (step - stage % 2) // 2 - stage // 2, True
+    if step % 2 == 0:  # even step, odd stage: backward
+        return step // 2 - p + (stage + 1) // 2, False
+    return (step - 1) // 2 - p + 1 + stage // 2, False
+
+
+def _deepspeed_commands(r: int, p: int, m: int) -> list[tuple[str, int]]:
+    """Rank ``r``'s instructions: ``("F"|"B", mb)`` compute, ``("send_act"|"recv_act"|
+    "send_grad"|"recv_grad", mb)`` blocking exchanges, in DeepSpeed's order."""
+    cmds: list[tuple[str, int]] = []
+    prev = -1
+    for step in range(2 * (m + p - 1)):
+        mb, forward = _deepspeed_step(step, r, p)
+        valid, prev_valid = 0 <= mb < m, 0 <= prev < m
+        if forward:
+            if valid and r > 0:
+                cmds.append(("recv_act", mb))
+            if prev_valid and r > 0:
+                cmds.append(("send_grad", prev))
+        else:
+            if prev_valid and r < p - 1:
+                cmds.append(("send_act", prev))
+            if valid and r < p - 1:
+                cmds.append(("recv_grad", mb))
+        if valid:
+            cmds.append(("F" if forward else "B", mb))
+        prev = mb
+    return cmds
+
+
+_PARTNER = {
+    "send_act": ("recv_act", 1),
+    "recv_act": ("send_act", -1),
+    "send_grad": ("recv_grad", -1),
+    "recv_grad": ("send_grad", 1),
+}
+
+
+def play_deepspeed(
+    *, p: int, m: int, run: Callable[[Pass, float], float], send: Callable[[Pass], float]
+) -> list[list[Pass]]:
+    """Play DeepSpeed's ``TrainSchedule`` (module docstring): a blocking exchange starts when
+    both sides have reached it and ends on both after the transfer (``send(pass)`` of the pass
+    whose output moves); returns the compute passes per rank with their times."""
+    cmds = [_deepspeed_commands(r, p, m) for r in range(p)]
+    passes: list[list[Pass]] = [[] for _ in range(p)]
+    made: dict[tuple[str, int, int], Pass] = {}
+    nxt, clock = [0] * p, [0.0] * p
+    last: list[Pass | None] = [None] * p
+    remaining = sum(len(c) for c in cmds)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while nxt[r] < len(cmds[r]):
+                kind, mb = cmds[r][nxt[r]]
+                if kind in ("F", "B"):
+                    ps = Pass(kind, mb, 0, r, cause=last[r])
+                    ps.start = clock[r]
+                    ps.end = clock[r] = run(ps, ps.start)
+                    passes[r].append(ps)
+                    made[(kind, r, mb)] = ps
+                    last[r] = ps
+                    nxt[r] += 1
+                    remaining -= 1
+                else:
+                    want, step = _PARTNER[kind]
+                    q = r + step
+                    if nxt[q] >= len(cmds[q]) or cmds[q][nxt[q]] != (want, mb):
+                        break  # the partner has not reached the exchange yet
+                    src = r if kind.startswith("send") else q
+                    moved = made[("F" if "act" in kind else "B", src, mb)]
+                    late = r if clock[r] >= clock[q] else q
+                    end = max(clock[r], clock[q]) + send(moved)
+                    for side in (r, q):
+                        last[side] = last[late] or last[side]  # the later arrival set the start
+                        clock[side] = end
+                        nxt[side] += 1
+                    remaining -= 2
+                progressed = True
+        assert progressed, "DeepSpeed pipeline schedule deadlocked"
+    return passes

@@ -1,7 +1,8 @@
 """Step simulator: what one training step of a given layout takes, event by event.
 
 :func:`simulate` plays one optimizer step of a pinned layout (dp, tp, pp, ep; ZeRO stage;
-micro-batch and count; GPipe, 1F1B or interleaved 1F1B; recomputation; sequence parallelism;
+micro-batch and count; GPipe, 1F1B, interleaved 1F1B or DeepSpeed's pipeline engine;
+recomputation; sequence parallelism;
 DDP buckets with or without overlap; ZeRO-3 gathers with or without prefetch) on one
 representative device per pipeline rank (data-parallel replicas and tp ranks are symmetric):
 
@@ -38,7 +39,7 @@ from torsh_distributed.plan._sim_device import DeviceModel, device_model
 from torsh_distributed.plan._sim_layer import layer_cost, layer_flops, logits_cost, logits_flops
 from torsh_distributed.plan._sim_layout import RECOMPUTE, SimLayout
 from torsh_distributed.plan._sim_network import Network
-from torsh_distributed.plan._sim_schedule import Pass, critical_path, order, play
+from torsh_distributed.plan._sim_schedule import Pass, critical_path, order, play, play_deepspeed
 from torsh_distributed.plan.memory import bytes_per_param
 
 if TYPE_CHECKING:
@@ -234,7 +235,9 @@ def simulate(
     """
     dp, m = _check(cfg, lay)
     dev = device or device_model(cfg.device)
-    net = Network(cfg, topology=lay.topology, oversubscription=lay.oversubscription)
+    net = Network(
+        cfg, topology=lay.topology, oversubscription=lay.oversubscription, backend=lay.backend
+    )
     ffn = lay.ffn_hidden or 4 * cfg.hidden
     p, v = lay.pp, lay.interleave
     counts = split_layers(cfg.layers, p * v)
@@ -267,6 +270,8 @@ def simulate(
         )
         scatter = net.collective("reduce_scatter", layer_params * g_bytes, replicas, lay.tp)
         t = start
+        if zero3 and not dev.streams:  # no streams: each gather and reduce-scatter blocks
+            return _blocking(ps, counts[ps.chunk * p + ps.rank], start, gather, scatter, last)
         ready = comm(ps.rank, "all-gather params", start, gather) if zero3 else start
         per_chunk = counts[ps.chunk * p + ps.rank]
         for i in range(per_chunk):
@@ -295,6 +300,20 @@ def simulate(
             )
         return t
 
+    def _blocking(
+        ps: Pass, layers: int, start: float, gather: float, scatter: float, last: bool
+    ) -> float:
+        forward = ps.kind == "F"
+        layer_s = (cost.f if forward else cost.b) + gather + (0.0 if forward else scatter)
+        t = start + layers * layer_s
+        if last:
+            t += head_f if forward else head_b
+        if trace:
+            events.append(
+                _event(f"{ps.kind} mb{ps.mb} c{ps.chunk}", ps.rank, "compute", start, t - start)
+            )
+        return t
+
     sent = lay.micro_batch * cfg.seq_len * cfg.hidden * act
     if lay.sequence_parallel or cfg.pp_scatter_gather:
         sent /= lay.tp
@@ -306,13 +325,15 @@ def simulate(
             events.append(_event(f"send {dep.kind} mb{dep.mb}", dep.rank, "p2p", dep.end, seconds))
         return seconds
 
-    passes = play(order(lay.schedule, p=p, m=m, v=v), v=v, run=run, send=send)
+    if lay.schedule == "deepspeed":
+        passes = play_deepspeed(p=p, m=m, run=run, send=send)
+    else:
+        passes = play(order(lay.schedule, p=p, m=m, v=v), v=v, run=run, send=send)
     ends: list[float] = []
     tails: list[list[dict[str, Any]]] = []
     exposed: list[float] = []
-    opt_s = dev.elementwise(
-        local / (replicas if lay.zero_stage else 1) * (2 * k_bytes + g_bytes + p_bytes)
-    )
+    opt_params = local / (replicas if lay.zero_stage else 1)
+    opt_s = dev.optimizer(opt_params, opt_params * (2 * k_bytes + g_bytes + p_bytes))
     for r in range(p):
         compute_end = passes[r][-1].end
         tail: list[dict[str, Any]] = []

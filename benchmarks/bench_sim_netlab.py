@@ -1,0 +1,325 @@
+"""Step simulator vs our own runs on network-namespace hosts (issue 40, item 4).
+
+The same simulator that predicts published GPU runs (``torsh-dist plan simulate``) predicts the
+steady step time of ``torsh-dist train``'s engine on ``--hosts`` namespace hosts (1 rank x 1
+thread each, Gloo between hosts over ``tc``-limited links), in three layouts: ``ddp`` (DDP,
+overlapped 25 MB buckets), ``zero3`` (FSDP2, one unit per block, prefetch) and ``pp2`` (2
+pipeline stages, 1F1B, 4 micro-batches; with 4 hosts x dp 2). Model: the built-in GPT, 4 layers,
+width 384, 4 heads, context 128, fp32 AdamW, global batch ``--batch``.
+
+What the prediction uses, measured before any training run and never fitted to one:
+
+* the device model: ``torsh_distributed.plan.device_profile.measure`` (``torsh-dist plan
+  profile``) on this host with ``--hosts`` processes timing at once (the ranks share the cores):
+  every GEMM shape the three layouts run, element-wise rate, fused attention, optimizer step;
+* the link: a one-way Gloo send between two lab hosts at 64 kB and 8 MB, fitted as ``alpha +
+  bytes / bandwidth`` (``--inter-latency``, ``--inter-bw``); beside it the prediction from the
+  nominal rate (the ``tc`` rate, alpha 100 us).
+
+Measured: the engine's steady step (the loop time of a ``--steps`` run minus a 1-step run of
+the same layout just after it, over ``steps - 1``: the first step's one-off allocations are not
+what the simulator predicts), ``--rounds`` rounds with the layouts' order rotated, median; the
+load average (1 min) before every run, reported per layout (median and range).
+
+    sudo .venv/bin/python benchmarks/bench_sim_netlab.py --hosts 2 --rates 100,0 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPE = {"n_layer": 4, "d_model": 384, "n_head": 4, "block_size": 128}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp": {"zero_stage": 0},
+    "zero3": {"zero_stage": 3},
+    "pp2": {"pp": 2, "microbatches": 4},
+}
+
+
+def _train_config(name: str, steps: int, batch: int) -> Any:
+    from torsh_distributed.train import TrainConfig, preset
+
+    cfg = preset("tiny").to_dict()
+    cfg["model"].update(SHAPE)
+    cfg.update(
+        max_steps=steps,
+        batch_size=batch,
+        progress=False,
+        eval_batches=1,
+        threads=1,
+        backend="gloo",
+    )
+    cfg["data"]["max_bytes"] = 300_000
+    cfg["optim"]["warmup_steps"] = 1
+    cfg["parallel"].update(LAYOUTS[name])
+    return TrainConfig.from_dict(cfg)
+
+
+def _sim_layouts(hosts: int, batch: int) -> dict[str, Any]:
+    from torsh_distributed.plan.simulate import SimLayout
+
+    per_replica = batch // hosts
+    return {
+        "ddp": SimLayout(micro_batch=per_replica, dp_overlap=True, backend="gloo"),
+        "zero3": SimLayout(micro_batch=per_replica, zero_stage=3, backend="gloo"),
+        "pp2": SimLayout(
+            pp=2, micro_batch=batch // (hosts // 2) // 4, dp_overlap=True, backend="gloo"
+        ),
+    }
+
+
+def _strategy(hosts: int, batch: int, num_params: int, bw: float, alpha: float) -> Any:
+    from torsh_distributed.plan.strategy import StrategyConfig
+
+    return StrategyConfig(
+        params=num_params,
+        layers=SHAPE["n_layer"],
+        hidden=SHAPE["d_model"],
+        heads=SHAPE["n_head"],
+        seq_len=SHAPE["block_size"],
+        vocab=256,
+        devices=hosts,
+        nodes=hosts,
+        device_memory=24e9,
+        intra_bw=1e12,
+        inter_bw=bw,
+        inter_latency=alpha,
+        global_batch=batch,
+        dtype="fp32",
+        optimizer="adam",
+        device="cpu",
+        device_flops=1e10,  # unused: the simulator takes the measured device model
+        flash_attention=True,
+        dropout=False,
+        layout="fsdp2",
+    )
+
+
+def _num_params() -> int:
+    from torsh_distributed.models.gpt import GPT
+
+    return sum(p.numel() for p in GPT(_train_config("ddp", 1, 16).model).parameters())
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from torsh_distributed.train import train
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"link": None, "runs": {}}
+    if args.link:  # one-way send between host 0 and host 1, two sizes
+        secs = []
+        for nbytes in (64 << 10, 8 << 20):
+            buf = torch.zeros(nbytes // 4)
+            runs = []
+            for i in range(7):
+                dist.barrier()
+                start = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf[:1], 1)  # the ack: a few bytes back
+                elif rank == 1:
+                    dist.recv(buf, 0)
+                    dist.send(buf[:1], 0)
+                if i >= 2:
+                    runs.append(time.perf_counter() - start)
+            secs.append(statistics.median(runs))
+        beta = (secs[1] - secs[0]) / ((8 << 20) - (64 << 10))
+        out["link"] = {"alpha": max(secs[0] - (64 << 10) * beta, 1e-6) / 2, "bw": 1 / beta}
+    for name in args.order.split(","):
+        load = os.getloadavg()[0]
+        full = train(_train_config(name, args.steps, args.batch))
+        one = train(_train_config(name, 1, args.batch))
+        loop = args.batch * args.steps / full.samples_per_s
+        steady = (loop - args.batch / one.samples_per_s) / (args.steps - 1)
+        t = torch.tensor([steady])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out["runs"][name] = {"steady_s": float(t), "load": load, "params": full.num_params}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def _lab(hosts: int, rate: float, net: int) -> Any:
+    from netlab import NetLab
+
+    lab = NetLab(hosts=hosts, rate_mbit=rate, net=net)
+    # our own namespace names ("sim" + pid): other benchmarks' cleanup_stale() removes "tdl*"
+    lab.tag = f"sim{os.getpid() % 100000}"
+    lab.switch = f"{lab.tag}sw"
+    lab.namespaces = [f"{lab.tag}h{i}" for i in range(hosts)]
+    return lab
+
+
+def _round(lab: Any, hosts: int, order: list[str], link: bool, args: argparse.Namespace) -> Any:
+    out = Path(tempfile.mkdtemp(prefix="torsh-simlab-")) / "round.json"
+    forward = [f"--steps={args.steps}", f"--batch={args.batch}", f"--order={','.join(order)}"]
+    procs = []
+    for rank in range(hosts):
+        env = lab.rank_env(rank=rank, world_size=hosts, ranks_per_host=1, master_port=29671)
+        cmd = [sys.executable, __file__, *forward, "--worker", "--out", str(out)]
+        if link:
+            cmd.append("--link")
+        procs.append(lab.popen(rank, cmd, env=env, stdout=subprocess.DEVNULL))
+    codes = [p.wait(timeout=args.timeout) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"ranks failed with exit codes {codes}")
+    return json.loads(out.read_text())
+
+
+def _predict(
+    profile: dict[str, Any], hosts: int, batch: int, params: int, bw: float, alpha: float
+) -> dict[str, Any]:
+    from torsh_distributed.plan.device_profile import from_dict
+    from torsh_distributed.plan.simulate import simulate
+
+    cfg = _strategy(hosts, batch, params, bw, alpha)
+    dev = from_dict(profile)
+    return {n: simulate(cfg, lay, device=dev) for n, lay in _sim_layouts(hosts, batch).items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hosts", type=int, default=2, help="namespace hosts (2 or 4)")
+    parser.add_argument("--rates", default="100,0", help="link Mbit/s, comma-separated; 0 = none")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--profile-repeats", type=int, default=7)
+    parser.add_argument("--profile", help="use this device profile instead of measuring one")
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--link", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--order", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return 0
+    from netlab import available
+
+    from torsh_distributed.plan.device_profile import measure
+
+    reason = available()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    if args.hosts not in (2, 4) or args.batch % (4 * args.hosts) or args.steps < 2:
+        parser.error("--hosts 2 or 4, --batch a multiple of 4 x hosts, --steps >= 2")
+    names = args.layouts.split(",")
+    params = _num_params()
+    started = time.time()
+    cfg = _strategy(args.hosts, args.batch, params, 12.5e6, 1e-4)
+    lays = list(_sim_layouts(args.hosts, args.batch).values())
+
+    def profile_now() -> dict[str, Any]:
+        """The device model, measured just before the round it predicts (same load)."""
+        if args.profile:
+            return json.loads(Path(args.profile).read_text())
+        prof = measure(cfg, lays, processes=args.hosts, repeats=args.profile_repeats)
+        print(
+            f"  device: {prof['source']}; GEMM peak {prof['peak_flops'] / 1e9:.1f} GFLOP/s, "
+            f"element-wise {prof['hbm_bw'] / 1e9:.2f} GB/s, attention {prof['attn_eff']:.2f} "
+            f"of peak (backward {prof['flash_backward']:.2f}x), optimizer "
+            f"{prof['optimizer_per_param'] * 1e9:.2f} ns/param",
+            flush=True,
+        )
+        return prof
+
+    results: dict[str, Any] = {"rates": {}}
+    for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+        rounds, profiles = [], []
+        with _lab(args.hosts, rate, 140 + i) as lab:
+            for r in range(args.rounds):
+                profiles.append(profile_now())
+                order = names[r % len(names) :] + names[: r % len(names)]
+                rounds.append(_round(lab, args.hosts, order, r == 0, args))
+                print(
+                    f"  {rate:g} Mbit/s round {r + 1}: "
+                    + ", ".join(f"{n} {rounds[-1]['runs'][n]['steady_s']:.3f} s" for n in names),
+                    flush=True,
+                )
+        link = rounds[0]["link"]
+        nominal_bw = rate * 1e6 / 8 if rate else link["bw"]
+        preds = [
+            _predict(prof, args.hosts, args.batch, params, link["bw"], link["alpha"])
+            for prof in profiles
+        ]
+        noms = [
+            _predict(prof, args.hosts, args.batch, params, nominal_bw, 1e-4) for prof in profiles
+        ]
+        rows = {}
+        for n in names:
+            steps = [x["runs"][n]["steady_s"] for x in rounds]
+            loads = [x["runs"][n]["load"] for x in rounds]
+            pred = [p[n].step_s for p in preds]
+            nom = [p[n].step_s for p in noms]
+            med, pmed, nmed = (statistics.median(v) for v in (steps, pred, nom))
+            rows[n] = {
+                "measured_s": med,
+                "rounds_s": steps,
+                "load": loads,
+                "predicted_s": pmed,
+                "predicted_rounds_s": pred,
+                "round_errors": [p / m - 1 for p, m in zip(pred, steps, strict=True)],
+                "error": pmed / med - 1,
+                "nominal_s": nmed,
+                "nominal_error": nmed / med - 1,
+                "breakdown_s": preds[len(preds) // 2][n].breakdown,
+            }
+        results["rates"][f"{rate:g}"] = {"link": link, "rows": rows, "profiles": profiles}
+    print(
+        f"\n{args.hosts} hosts x 1 rank x 1 thread, GPT {SHAPE}, {params:,} params, fp32 AdamW, "
+        f"global batch {args.batch}, {args.steps}-step runs x {args.rounds} rounds; "
+        f"{time.time() - started:.0f} s in all"
+    )
+    print(
+        "| link | layout | measured steady step (rounds) | load 1-min (median, range) | "
+        "predicted (measured link) | error | predicted (nominal link) | error | predicted "
+        "breakdown (compute / bubble / dp comm exposed / optimizer) | error per round |"
+    )
+    print("|---|---|---:|---|---:|---:|---:|---:|---|---|")
+    for rate, res in results["rates"].items():
+        link = res["link"]
+        label = f"{rate} Mbit/s" if rate != "0" else "unlimited"
+        label += f" (measured {link['bw'] * 8 / 1e6:.0f} Mbit/s, {link['alpha'] * 1e6:.0f} us)"
+        for n, row in res["rows"].items():
+            b = row["breakdown_s"]
+            print(
+                f"| {label} | {n} | {row['measured_s']:.3f} s "
+                f"({', '.join(f'{x:.2f}' for x in row['rounds_s'])}) | "
+                f"{statistics.median(row['load']):.1f} ({min(row['load']):.1f}-"
+                f"{max(row['load']):.1f}) | {row['predicted_s']:.3f} s | {row['error']:+.1%} | "
+                f"{row['nominal_s']:.3f} s | {row['nominal_error']:+.1%} | "
+                f"{b['compute']:.2f} / {b['bubble_and_wait']:.2f} / {b['dp_comm_exposed']:.2f} / "
+                f"{b['optimizer']:.3f} | "
+                + ", ".join(f"{e:+.0%}" for e in row["round_errors"])
+                + " |"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,293 @@
+"""A measured device model for the step simulator (``torsh-dist plan profile``): a CPU host.
+
+The simulator's device model (:mod:`._sim_device`) is a roofline calibrated on published GPU
+runs. On a machine we can time, :func:`measure` replaces it by what the machine does, kernel by
+kernel, before (and apart from) any training run it will predict (SimAI's approach: measured
+kernel times, simulated communication and schedule):
+
+* every GEMM shape the simulator asks for (found by simulating the given layouts with a device
+  model that records the shapes), each timed with ``torch.matmul`` (batched where the simulator
+  batches), forward shapes and the two backward shapes alike;
+* the element-wise rate: one layer's two layer norms, GELU and two residual adds, forward and
+  backward, on one micro-batch's activations, as the bytes the simulator counts for them
+  (forward once, backward twice) per second (on a CPU GELU's backward dominates: compute, not
+  bytes, so the rate holds for this layer shape, not in general);
+* fused attention (``scaled_dot_product_attention``, causal): its rate against the fastest GEMM
+  (``attn_eff``) and its backward over its forward;
+* the optimizer step as the engine runs it (gradient clipping + ``AdamW(foreach=True)``) per
+  parameter.
+
+``processes`` copies time the same kernels at once, started together at every kernel: where the
+simulated devices are ranks sharing one host's cores, each runs at the shared rate. Per kernel
+the median over ``repeats``, then the mean over the copies. ``peak_flops`` is the fastest GEMM's
+rate (so MFU reads as a share of the best this host did). A CPU has no streams: the device
+model says so (``streams=False``), and the simulator blocks on FSDP2's collectives. Torch is imported by :func:`measure`
+only; :func:`load` and :func:`from_dict` are torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from torsh_distributed.plan._sim_device import DeviceModel
+
+if TYPE_CHECKING:
+    from torsh_distributed.plan._sim_layout import SimLayout
+    from torsh_distributed.plan._strategy_config import StrategyConfig
+
+__all__ = ["from_dict", "gemm_shapes", "load", "measure"]
+
+_FIELDS = ("peak_flops", "hbm_bw", "attn_eff", "flash_backward", "optimizer_per_param")
+
+
+class _Recording(dict):  # type: ignore[type-arg]
+    """A ``measured`` table that records every key the simulator looks up and has none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys_seen: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.keys_seen.add(key)
+        return default
+
+
+def gemm_shapes(cfg: StrategyConfig, layouts: Sequence[SimLayout]) -> list[str]:
+    """The GEMM keys (:func:`~._sim_device.gemm_key`) the simulator asks for when it costs one
+    layer and the logits of ``layouts`` on ``cfg`` (found by costing them on a device model that
+    records its look-ups)."""
+    from torsh_distributed.plan._sim_layer import layer_cost, logits_cost
+    from torsh_distributed.plan._sim_network import Network
+
+    rec = _Recording()
+    dev = DeviceModel(
+        name="recording", peak_flops=1e12, hbm_bw=1e10, sms=1, quantise=False, measured=rec
+    )
+    for lay in layouts:
+        layer_cost(cfg, lay, dev, Network(cfg), lay.ffn_hidden or 4 * cfg.hidden)
+        logits_cost(cfg, lay, dev)
+    return sorted(rec.keys_seen)
+
+
+def _parse(key: str) -> tuple[int, int, int, int, int]:
+    shape, _, nbytes = key.partition(":")
+    m, n, k, batch = (int(float(x)) for x in shape.split("x"))
+    return m, n, k, batch, int(nbytes)
+
+
+def _worker(
+    rank: int,
+    barrier: Any,
+    queue: Any,
+    spec: dict[str, Any],
+) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(rank)
+    dtype = torch.float32 if spec["act"] == 4 else torch.bfloat16
+    repeats = spec["repeats"]
+
+    def timed(fn: Any) -> float:
+        fn()  # warm-up
+        runs = []
+        for _ in range(repeats):
+            barrier.wait()
+            start = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs)
+
+    out: dict[str, Any] = {"gemm": {}}
+    for key in spec["gemms"]:
+        m, n, k, batch, _ = _parse(key)
+        shape_a = (batch, m, k) if batch > 1 else (m, k)
+        shape_b = (batch, k, n) if batch > 1 else (k, n)
+        a, b = torch.randn(shape_a, dtype=dtype), torch.randn(shape_b, dtype=dtype)
+        out["gemm"][key] = timed(lambda a=a, b=b: torch.matmul(a, b))
+    tokens, h, ffn = spec["tokens"], spec["hidden"], spec["ffn"]
+    x = torch.randn(tokens, h, dtype=dtype, requires_grad=True)
+    u = torch.randn(tokens, ffn, dtype=dtype, requires_grad=True)
+    r = torch.randn(tokens, h, dtype=dtype, requires_grad=True)
+    norm = torch.nn.LayerNorm(h).to(dtype)
+
+    def elementwise() -> None:  # one layer's: 2 norms, GELU, 2 residual adds
+        y = norm(x)
+        z = norm(y + r)
+        (z + x).sum().backward()
+        F.gelu(u).sum().backward()
+
+    out["elementwise_s"] = timed(elementwise)
+    b, heads, s, d = spec["attention"]
+    q, k_, v = (torch.randn(b, heads, s, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    out["flash_f"] = timed(
+        lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True).detach()
+    )
+    out["flash_fb"] = timed(
+        lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True).sum().backward()
+    )
+    params = [
+        torch.nn.Parameter(torch.randn(n, dtype=torch.float32)) for n in spec["optimizer_tensors"]
+    ]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optim = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+
+    out["optimizer_s"] = timed(step)
+    queue.put((rank, out))
+
+
+def measure(
+    cfg: StrategyConfig,
+    layouts: Sequence[SimLayout],
+    *,
+    processes: int = 1,
+    threads: int = 1,
+    repeats: int = 5,
+    timeout: float = 1800.0,
+) -> dict[str, Any]:
+    """Time this host's kernels for simulating ``layouts`` on ``cfg`` (module docstring).
+
+    Args:
+        cfg: The model and batch (``plan strategy``'s inputs); ``cfg.dtype`` picks fp32 or bf16.
+        layouts: The layouts to be simulated: their GEMM shapes are timed, the element-wise and
+            attention kernels at the first one's micro-batch.
+        processes: Copies timing at once (the ranks that share this host's cores).
+        threads: Torch threads per copy (as each rank runs).
+        repeats: Timed runs per kernel (median), after one warm-up.
+        timeout: Seconds before the copies are killed and a ``TimeoutError`` raised.
+
+    Returns:
+        A JSON-able profile: the :class:`~._sim_device.DeviceModel` fields (:func:`from_dict`),
+        the raw timings and how they were taken (``source``, ``loadavg`` before and after).
+    """
+    import multiprocessing as mp
+
+    if processes < 1 or threads < 1 or repeats < 1:
+        raise ValueError("--processes, --threads and --repeats must be >= 1")
+    if not layouts:
+        raise ValueError("measure needs at least one layout")
+    act = 4 if cfg.dtype == "fp32" else 2
+    lay = layouts[0]
+    ffn = lay.ffn_hidden or 4 * cfg.hidden
+    tokens = lay.micro_batch * cfg.seq_len
+    spec = {
+        "gemms": gemm_shapes(cfg, layouts),
+        "act": act,
+        "threads": threads,
+        "repeats": repeats,
+        "tokens": tokens,
+        "hidden": cfg.hidden,
+        "ffn": ffn,
+        "attention": (lay.micro_batch, cfg.heads, cfg.seq_len, cfg.hidden // cfg.heads),
+        "optimizer_tensors": [cfg.hidden * cfg.hidden] * 4 + [cfg.hidden] * 8,
+    }
+    load_before = os.getloadavg()
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, barrier, queue, spec)) for r in range(processes)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < processes:
+            left = deadline - time.monotonic()
+            if left <= 0 or any(p.exitcode not in (None, 0) for p in procs):
+                raise TimeoutError(
+                    f"plan profile: {processes - len(results)} measuring process(es) did not "
+                    f"finish (exit codes {[p.exitcode for p in procs]})"
+                )
+            try:
+                rank, out = queue.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: keep waiting for the deadline
+                continue
+            results[rank] = out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+    def mean(get: Any) -> float:
+        return statistics.fmean(get(res) for res in results.values())
+
+    gemm = {key: mean(lambda r, key=key: r["gemm"][key]) for key in spec["gemms"]}
+    peak = max(
+        (2.0 * math.prod(_parse(key)[:4]) / t for key, t in gemm.items() if t > 0), default=1e9
+    )
+    # the element-wise bytes as the simulator counts them: forward once, backward twice
+    fwd_bytes = act * tokens * (2 * 2 * cfg.hidden + 2 * 3 * cfg.hidden + 2 * ffn)
+    b, heads, s, d = spec["attention"]
+    flash_f = mean(lambda r: r["flash_f"])
+    flash_fb = mean(lambda r: r["flash_fb"])
+    opt_params = sum(spec["optimizer_tensors"])
+    return {
+        "name": "cpu",
+        "peak_flops": peak,
+        "hbm_bw": 3 * fwd_bytes / mean(lambda r: r["elementwise_s"]),
+        "attn_eff": min(1.0, b * heads * 2.0 * s * s * d / flash_f / peak),
+        "flash_backward": max(0.0, (flash_fb - flash_f) / flash_f),
+        "optimizer_per_param": mean(lambda r: r["optimizer_s"]) / opt_params,
+        "measured": gemm,
+        "source": (
+            f"torsh-dist plan profile: {processes} process(es) x {threads} thread(s), "
+            f"{repeats} repeats (median), {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}"
+        ),
+        "dtype": cfg.dtype,
+        "hidden": cfg.hidden,
+        "seq_len": cfg.seq_len,
+    }
+
+
+def from_dict(data: dict[str, Any]) -> DeviceModel:
+    """The :class:`~._sim_device.DeviceModel` of a :func:`measure` profile."""
+    missing = [k for k in (*_FIELDS, "measured") if k not in data]
+    if missing:
+        raise ValueError(f"device profile lacks {', '.join(missing)} (written by plan profile?)")
+    try:
+        values = {k: float(data[k]) for k in _FIELDS}
+        measured = {str(k): float(v) for k, v in dict(data["measured"]).items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"device profile: {exc}") from None
+    if min(values["peak_flops"], values["hbm_bw"], values["attn_eff"]) <= 0:
+        raise ValueError("device profile: peak_flops, hbm_bw and attn_eff must be > 0")
+    base = DeviceModel(name=str(data.get("name", "cpu")), peak_flops=1.0, hbm_bw=1.0, sms=1)
+    return replace(
+        base,
+        gemm_eff=1.0,
+        mem_eff=1.0,
+        quantise=False,
+        streams=False,
+        measured=measured,
+        source=str(data.get("source", "")),
+        **values,
+    )
+
+
+def load(path: str) -> DeviceModel:
+    """:func:`from_dict` of a JSON file; ``ValueError`` naming the file if it cannot be read."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--device-profile {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--device-profile {path}: not a JSON object")
+    try:
+        return from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"--device-profile {path}: {exc}") from None

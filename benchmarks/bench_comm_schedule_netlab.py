@@ -60,7 +60,8 @@ def _worker(args: argparse.Namespace) -> None:
         groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
 
-    runs = {}
+    runs: dict = {}
+    base_of: dict = {}
     for schedule in ("fifo", "priority"):
         torch.manual_seed(0)
         base = GPT(mcfg)
@@ -72,7 +73,8 @@ def _worker(args: argparse.Namespace) -> None:
                 base, group=side_group("priority_bench"),
                 partition_bytes=args.partition_kb * 1024, credit_bytes=args.credit_kb * 1024,
             )  # fmt: skip
-            model.bind(opt)
+            model.bind(opt, grad_clip=args.grad_clip)
+        base_of[schedule] = base
         runs[schedule] = {"model": model, "opt": opt, "step": 0, "losses": [], "rounds": []}
 
     def train(schedule: str, steps: int) -> float:
@@ -86,6 +88,10 @@ def _worker(args: argparse.Namespace) -> None:
             _, loss = model(*batch(run["step"]))
             loss.backward()
             if schedule == "fifo":
+                if args.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(
+                        list(base_of[schedule].parameters()), args.grad_clip
+                    )
                 opt.step()
             else:
                 model.submit()
@@ -125,7 +131,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rate", type=float, default=100.0, help="link rate in Mbit/s")
+    parser.add_argument(
+        "--rate", type=float, default=100.0, help="link rate in Mbit/s; 0 = one host, loopback"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round and schedule")
     parser.add_argument("--warmup", type=int, default=4)
@@ -138,6 +146,12 @@ def main() -> int:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket (fifo)")
     parser.add_argument("--partition-kb", type=int, default=0, help="priority; 0 = auto")
     parser.add_argument("--credit-kb", type=int, default=0, help="priority; 0 = auto")
+    parser.add_argument(
+        "--grad-clip",
+        type=float,
+        default=0.0,
+        help="clip the global norm (priority's updates then wait for every chunk)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -149,26 +163,34 @@ def main() -> int:
     from netlab import NetLab, available
 
     reason = available()
-    if reason:
+    if reason and args.rate:
         print(f"skipped: {reason}")
         return 0
     names = (
         "rounds steps warmup d_model n_layer n_head block_size batch_size lr bucket_mb "
-        "partition_kb credit_kb threads"
+        "partition_kb credit_kb grad_clip threads"
     ).split()
     forward = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names]
     out = Path(tempfile.mkdtemp(prefix="torsh-sched-")) / "out.json"
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    with NetLab(hosts=2, rate_mbit=args.rate, net=41) as lab:
+    cmd = [sys.executable, __file__, *forward, "--worker", "--out", str(out)]
+    if not args.rate:  # --rate 0: one host, loopback (no lab)
         procs = []
         for rank in range(2):
-            env = lab.rank_env(rank=rank, world_size=2, ranks_per_host=1, master_port=29641)
-            env["OMP_NUM_THREADS"] = str(args.threads)
-            cmd = [sys.executable, __file__, *forward, "--worker", "--out", str(out)]
-            procs.append(
-                lab.popen(rank, cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL)
-            )
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT="29642", OMP_NUM_THREADS=str(args.threads))  # fmt: skip
+            out_to = None if rank == 0 else subprocess.DEVNULL
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out_to))
         codes = [p.wait(timeout=args.timeout) for p in procs]
+    else:
+        with NetLab(hosts=2, rate_mbit=args.rate, net=41) as lab:
+            procs = []
+            for rank in range(2):
+                env = lab.rank_env(rank=rank, world_size=2, ranks_per_host=1, master_port=29641)
+                env["OMP_NUM_THREADS"] = str(args.threads)
+                out_to = None if rank == 0 else subprocess.DEVNULL
+                procs.append(lab.popen(rank, cmd, env=env, stdout=out_to))
+            codes = [p.wait(timeout=args.timeout) for p in procs]
     if any(codes):
         print(f"ranks failed with exit codes {codes}")
         return 1
@@ -176,10 +198,10 @@ def main() -> int:
     load_after = Path("/proc/loadavg").read_text().split()[:3]
     bw = res["summary"]["bandwidth"]
     print(
-        f"\n2 hosts x 1 rank at {args.rate:g} Mbit/s, {res['params'] / 1e6:.2f} M params "
+        f"\n{'2 hosts x 1 rank at ' + format(args.rate, 'g') + ' Mbit/s' if args.rate else '1 host x 2 ranks (loopback)'}, {res['params'] / 1e6:.2f} M params "
         f"({res['params'] * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch_size}/rank x "
         f"{args.block_size} tokens, {args.steps} steps per round, {os.cpu_count()} CPU cores, "
-        f"{args.threads} torch thread/rank, load {' '.join(load_before)} -> {' '.join(load_after)}\n"
+        f"{args.threads} torch thread/rank, grad clip {args.grad_clip:g}, load {' '.join(load_before)} -> {' '.join(load_after)}\n"
     )
     print("| round | fifo (DDP) s/step | priority s/step | speed-up |")
     print("|---|---:|---:|---:|")
@@ -192,7 +214,7 @@ def main() -> int:
         f"{res['identical']}; partition {res['summary']['partition_kb']} KiB, credit "
         f"{res['summary']['credit_kb']} KiB, {res['summary']['chunks']} chunks"
     )
-    if bw:
+    if bw and args.rate:
         print(
             f"measured link: {bw['bandwidth_mbit']:.1f} Mbit/s ({bw['bandwidth_mbit'] / args.rate:.1%}"
             f" of the tc rate), latency {bw['latency_ms']:.2f} ms, {bw['samples']} messages"

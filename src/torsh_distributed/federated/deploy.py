@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
+from torsh_distributed.runtime.busy import scaled_start_timeout
 from torsh_distributed.runtime.tls import TLSFiles
 
 __all__ = ["Federation", "free_port", "join", "supernode_command"]
@@ -331,7 +332,7 @@ class Federation:
             [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port)],
             home=state_dir / "home",
         )  # fmt: skip
-        _wait_port("127.0.0.1", port, proc, what=name, timeout=60)
+        _wait_port("127.0.0.1", port, proc, what=name, timeout=scaled_start_timeout(60))
         return port
 
     def submit(self, *, timeout: float, app: Path | None = None, run_config: str = "") -> int:

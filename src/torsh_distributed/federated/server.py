@@ -32,6 +32,7 @@ from torsh_distributed.federated.strategies import (
     strategy_state,
 )
 from torsh_distributed.federated.task import Task, evaluate
+from torsh_distributed.runtime.busy import scaled_start_timeout
 
 __all__ = ["RoundLoop", "ServerCheckpoint", "wait_for_clients"]
 
@@ -196,9 +197,10 @@ class RoundLoop:
                 f"federated: resuming after round {state.round} of {cfg.rounds} "
                 f"({lost} round(s) in progress were lost and are redone)"
             )
-        connected = wait_for_clients(self.grid, min(cfg.expected_nodes, max(cfg.min_clients, 1)), timeout=120.0)
+        wait = scaled_start_timeout(120.0)  # SuperNodes starting on a busy host take longer
+        connected = wait_for_clients(self.grid, min(cfg.expected_nodes, max(cfg.min_clients, 1)), timeout=wait)
         if first == 1:
-            wait_for_clients(self.grid, cfg.expected_nodes, timeout=120.0)
+            wait_for_clients(self.grid, cfg.expected_nodes, timeout=wait)
             initial = self._evaluate(global_state) if not cfg.initial_state else {}
             if initial:
                 self.log(f"federated: round 0 (initial model) val loss {initial['loss']:.4f}")
@@ -255,6 +257,9 @@ class RoundLoop:
             node_ids=nodes, timeout=cfg.round_timeout, num_shares=shares, reconstruction_threshold=threshold,
             clipping_range=cfg.secagg_clip, quantization_range=cfg.secagg_quantization,
             proximal_mu=cfg.proximal_mu if cfg.strategy == "fedprox" else 0.0,
+            on_stage=lambda stage, ids: self.log(  # a round that waits for the dead says where
+                f"federated: round {server_round} secagg {stage}: {len(ids)} of {len(nodes)} clients in"
+            ),
         )  # fmt: skip
         failed = not res.ok or res.completed < cfg.min_clients
         if not failed:

@@ -29,12 +29,15 @@ from typing import IO, Any
 from torsh_distributed.compat.horovod import _run_task as task
 from torsh_distributed.launch import _workers
 from torsh_distributed.launch._workers import DEFAULT_TIMEOUT_S, JobSpec, RankOutcome
+from torsh_distributed.runtime.busy import scaled_start_timeout
 from torsh_distributed.runtime.errors import DistributedTimeoutError
 
 __all__ = ["DEFAULT_START_TIMEOUT_S", "run"]
 
 DEFAULT_START_TIMEOUT_S = 30.0
-"""Horovod's default ``start_timeout`` (``HOROVOD_START_TIMEOUT`` overrides it, as in Horovod)."""
+"""Horovod's default ``start_timeout`` on a quiet host (``HOROVOD_START_TIMEOUT`` overrides it, as
+in Horovod); on a busy one the default is stretched by the load
+(:func:`~torsh_distributed.runtime.busy.scaled_start_timeout`)."""
 _POLL_S = 0.02  # how often the job directory is looked at while waiting
 _EXIT_GRACE_S = 5.0  # ranks that reported get this long to exit on their own
 
@@ -96,7 +99,9 @@ def run(
         hosts: ``"localhost:4"``: this host only, ``num_proc`` at most its slots.
         hostfile: Horovod's host file, naming this host only; exclusive with ``hosts``.
         start_timeout: Seconds for every rank to start (Python, torch and ``func``'s module
-            imported); default ``HOROVOD_START_TIMEOUT`` or 30. Slow file systems need more.
+            imported); default ``HOROVOD_START_TIMEOUT`` or 30 s times the host's load per core
+            (at least 1, at most 10: a start at load 20 on 2 cores takes ~10 times as long).
+            Slow file systems need more.
         ssh_port, ssh_identity_file, disable_cache: No effect (nothing is started over ssh,
             there is no check cache): accepted with a warning.
         output_filename: Directory for each rank's output, in Horovod's layout
@@ -193,8 +198,8 @@ def _start_timeout(value: float | None) -> float:
     if value is not None:
         return value
     text = os.environ.get("HOROVOD_START_TIMEOUT")
-    if text is None:
-        return DEFAULT_START_TIMEOUT_S
+    if text is None:  # Horovod's 30 s on a quiet host, stretched by the load on a busy one
+        return scaled_start_timeout(DEFAULT_START_TIMEOUT_S)
     try:
         return float(text)
     except ValueError:

@@ -12,6 +12,15 @@ step, at a small batch), as in data-parallel training of a mid-sized model on ma
 ``--zero-stage 3`` adds FSDP2's all-gathers and reduce-scatters. Prints a Markdown table: median
 tokens/s per backend, their ratio, and whether the losses agree (they must: the backends compute
 the same sums).
+
+``--backends gloo,auto`` compares other backend names (``auto`` is the default of ``torsh-dist
+train``: ``gloo+shm`` for several ranks of one host); the summary's ``backend`` says what each run
+resolved to. ``--burners-per-core B`` runs B busy-loop processes per core beside every run (the
+neighbours of a busy host), ``--env KEY=VALUE`` sets a variable for the ranks (repeatable; e.g.
+``TORSH_SHM_ASYNC=0``)::
+
+    python benchmarks/bench_shm_train.py --ranks 2 --zero-stages 0 --backends gloo,auto \
+        --burners-per-core 1 --rounds 3
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ("gloo", "gloo+shm")
+DEFAULT_BACKENDS = "gloo,gloo+shm"
 
 
 def _run(backend: str, ranks: int, zero: int, args: argparse.Namespace) -> dict:
@@ -61,6 +70,7 @@ def _run(backend: str, ranks: int, zero: int, args: argparse.Namespace) -> dict:
             str(summary),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+        env.update(item.split("=", 1) for item in args.env)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -76,41 +86,82 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2, help="per rank")
+    parser.add_argument("--backends", default=DEFAULT_BACKENDS, help="comma list, 2 names")
+    parser.add_argument(
+        "--burners-per-core",
+        type=int,
+        default=0,
+        help="CPU-burning neighbour processes per core during the runs",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the ranks (repeatable)",
+    )
     parser.add_argument("--json", default="", help="write the results to this file")
     args = parser.parse_args(argv)
+    backends = tuple(b.strip() for b in args.backends.split(","))
+    if len(backends) != 2 or args.burners_per_core < 0:
+        parser.error("--backends takes two names; --burners-per-core must be >= 0")
+    if any("=" not in item for item in args.env):
+        parser.error("--env takes KEY=VALUE")
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(args.burners_per_core * (os.cpu_count() or 1))
+    ]
+    try:
+        return _measure(args, backends, burners)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+def _measure(args: argparse.Namespace, backends: tuple[str, str], burners: list) -> int:
     load_before = os.getloadavg()
     rows = []
     for ranks in (int(x) for x in args.ranks.split(",")):
         for zero in (int(x) for x in args.zero_stages.split(",")):
-            runs: dict[str, list[dict]] = {b: [] for b in BACKENDS}
+            runs: dict[str, list[dict]] = {b: [] for b in backends}
             for r in range(args.rounds):
-                for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
+                for backend in backends if r % 2 == 0 else backends[::-1]:
                     runs[backend].append(_run(backend, ranks, zero, args))
-            tps = {b: statistics.median(x["tokens_per_s"] for x in runs[b]) for b in BACKENDS}
-            losses = {b: {round(x["final_loss"], 5) for x in runs[b]} for b in BACKENDS}
+            tps = {b: statistics.median(x["tokens_per_s"] for x in runs[b]) for b in backends}
+            losses = {b: {round(x["final_loss"], 5) for x in runs[b]} for b in backends}
             rows.append(
                 {
                     "ranks": ranks,
                     "zero_stage": zero,
                     "tokens_per_s": tps,
-                    "all_tokens_per_s": {b: [x["tokens_per_s"] for x in runs[b]] for b in BACKENDS},
+                    "all_tokens_per_s": {b: [x["tokens_per_s"] for x in runs[b]] for b in backends},
                     "final_losses": {b: sorted(v) for b, v in losses.items()},
-                    "params": runs["gloo"][0]["num_params"],
+                    "resolved": {
+                        b: sorted({x.get("backend", b) for x in runs[b]}) for b in backends
+                    },
+                    "params": runs[backends[0]][0]["num_params"],
                 }
             )
     load_after = os.getloadavg()
+    a, b = backends
     print(
-        "| ranks | ZeRO stage | Gloo tokens/s | gloo+shm tokens/s | shm / Gloo | final loss "
-        "(Gloo / shm) |\n|---:|---:|---:|---:|---:|---|"
+        f"| ranks | ZeRO stage | {a} tokens/s (runs) | {b} tokens/s (runs) | {b} / {a} | final loss "
+        f"({a} / {b}) | resolved |\n|---:|---:|---:|---:|---:|---|---|"
     )
     for row in rows:
-        t = row["tokens_per_s"]
+        t, every = row["tokens_per_s"], row["all_tokens_per_s"]
+        runs_a = ", ".join(f"{x:.0f}" for x in every[a])
+        runs_b = ", ".join(f"{x:.0f}" for x in every[b])
         print(
-            f"| {row['ranks']} | {row['zero_stage']} | {t['gloo']:.0f} | {t['gloo+shm']:.0f} | "
-            f"{t['gloo+shm'] / t['gloo']:.2f} | {row['final_losses']['gloo']} / "
-            f"{row['final_losses']['gloo+shm']} |"
+            f"| {row['ranks']} | {row['zero_stage']} | {t[a]:.0f} ({runs_a}) | {t[b]:.0f} "
+            f"({runs_b}) | {t[b] / t[a]:.2f} | {row['final_losses'][a]} / "
+            f"{row['final_losses'][b]} | {row['resolved'][a]} / {row['resolved'][b]} |"
         )
-    print(f"parameters: {rows[0]['params']}; load average before {load_before}, after {load_after}")
+    print(
+        f"parameters: {rows[0]['params']}; {len(burners)} burner process(es); load average "
+        f"before {load_before}, after {load_after}; ranks' env: {args.env or 'default'}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "load": [load_before, load_after]}))
     return 0

@@ -21,7 +21,7 @@ $(CORE_STAMP): $(PY) pyproject.toml
 
 # Everything the test suite touches: every extra (Ray, Dask, Flower, Opacus, FastAPI, ...).
 $(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot,ray,dask,energy,federated,serve,hf,tracking]"
+	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot,ray,dask,energy,federated,serve,hf,tracking,ft]"
 	touch $(STAMP)
 
 install-core: $(CORE_STAMP)

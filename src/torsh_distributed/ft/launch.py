@@ -122,6 +122,16 @@ def launch_groups(
                 "TORSH_FT_DIR": directory,
             }
             group.procs.append(subprocess.Popen(list(argv), env=worker_env))
+        append_event(
+            directory,
+            {
+                "event": "started",
+                "group": group.index,
+                "time": time.time(),
+                "incarnation": group.incarnation,
+                "pids": [p.pid for p in group.procs],
+            },
+        )
 
     def kill(group: _Group) -> None:
         for p in group.procs:

@@ -29,6 +29,7 @@ import signal
 import statistics
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,7 +41,15 @@ from torch.distributed.tensor import DTensor
 from torsh_distributed.checkpoint import faults
 from torsh_distributed.ft.config import FTConfig
 
-__all__ = ["ENV", "ReplicaGroups", "RunState", "append_event", "read_events"]
+__all__ = [
+    "ENV",
+    "FTFault",
+    "ReplicaGroups",
+    "RunState",
+    "append_event",
+    "parse_faults",
+    "read_events",
+]
 
 ENV = (
     "TORSH_FT_GROUP",
@@ -85,6 +94,50 @@ def read_events(directory: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass(slots=True)
+class FTFault:
+    """One injected fault of ``TORSH_FT_FAULT`` (global ranks; the group's restart count)."""
+
+    kind: str
+    rank: int
+    step: int
+    attempt: int = 0
+    group: int = -1
+    done: bool = False
+
+
+def parse_faults(spec: str) -> list[FTFault]:
+    """``TORSH_FT_FAULT``: comma-separated ``kill:rank=R:step=S[:attempt=N]`` (rank R sends
+    itself SIGKILL once S steps are done, in its group's N-th start, 0 by default) and
+    ``hold:rank=R:step=S:group=G`` (rank R waits before step S until group G has healed, at most
+    ``ft.timeout_s``: a straggler that lets a restarted group catch up in tests).
+
+    Raises:
+        ValueError: a malformed fault, naming it.
+    """
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, *pairs = part.split(":")
+        values: dict[str, int] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or key not in ("rank", "step", "attempt", "group") or not value.isdigit():
+                raise ValueError(f"TORSH_FT_FAULT: bad {pair!r} in {part!r}")
+            values[key] = int(value)
+        if (
+            kind not in ("kill", "hold")
+            or "rank" not in values
+            or "step" not in values
+            or (kind == "hold" and "group" not in values)
+        ):
+            raise ValueError(
+                f"TORSH_FT_FAULT: {part!r} must be kill:rank=R:step=S[:attempt=N] or "
+                "hold:rank=R:step=S:group=G"
+            )
+        out.append(FTFault(kind=kind, **values))
+    return out
 
 
 def _local(value: Any) -> Any:
@@ -132,7 +185,7 @@ class ReplicaGroups:
         self.lighthouse, self.store_addr = env["TORSH_FT_LIGHTHOUSE"], env["TORSH_FT_STORE"]
         self.directory = env["TORSH_FT_DIR"]
         self.incarnation = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        self.faults = [f for f in faults.parse(env.get("TORSH_FT_FAULT", "")) if f.kind == "kill"]
+        self.faults = parse_faults(env.get("TORSH_FT_FAULT", ""))
         self.history: list[list[int]] = []  # groups present at each committed step
         self.commit_times: list[float] = []  # unix time of each commit
         self.redone = 0  # steps trained again after a failed commit
@@ -200,14 +253,15 @@ class ReplicaGroups:
         train next."""
         assert self.manager is not None, "attach() first"
         done = self.manager.current_step()
-        for fault in self.faults:  # TORSH_FT_FAULT=kill:rank=R:step=S[:attempt=N] (tests)
-            if (
-                fault.rank == self.rank
-                and done >= fault.step
-                and (fault.attempt if fault.attempt is not None else 0) == self.incarnation
-            ):
+        for fault in self.faults:  # TORSH_FT_FAULT (tests, benchmarks): see parse_faults
+            if fault.rank != self.rank or done < fault.step or fault.attempt != self.incarnation:
+                continue
+            if fault.kind == "kill":
                 faults.log_event("kill", rank=self.rank, step=done, where="ft")
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "hold" and not fault.done:
+                self._hold(fault.group)
+                fault.done = True
         self.manager.start_quorum()
         step = self.manager.current_step()
         if self.healed_at is None and step > done:  # healed from a live group
@@ -224,6 +278,16 @@ class ReplicaGroups:
                     },
                 )
         return step
+
+    def _hold(self, group: int) -> None:
+        """Wait until ``group`` has healed (at most ``ft.timeout_s``): a straggler on purpose."""
+        deadline = time.monotonic() + self.section.timeout_s
+        while time.monotonic() < deadline:
+            if any(
+                e["event"] == "healed" and e["group"] == group for e in read_events(self.directory)
+            ):
+                return
+            time.sleep(0.05)
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
         """This group's contiguous share of a global batch of training indices."""
@@ -365,6 +429,11 @@ class ReplicaGroups:
             "failures": failures,
             "steps": self.history,
             "given_up": [e["group"] for e in events if e["event"] == "given_up"],
+            "processes": [
+                {k: e[k] for k in ("group", "incarnation", "pids")}
+                for e in events
+                if e["event"] == "started"
+            ],
             "redone_steps": self.redone,
             "median_step_s": round(typical, 4),
             "state_bytes_sent": self._transport.bytes_sent if self._transport else 0,

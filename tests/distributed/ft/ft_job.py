@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,7 +41,7 @@ def main() -> None:
     from torsh_distributed.engine import Engine, EngineConfig
 
     config = EngineConfig.from_dict(json.loads(sys.argv[1]))
-    Engine(
+    result = Engine(
         make_model,
         dataset=make_dataset(),
         loss_fn=loss_fn,
@@ -47,6 +49,9 @@ def main() -> None:
         config=config,
         name="ft-mlp",
     ).fit()
+    if len(sys.argv) > 2:  # every step's loss, as this rank saw it (the summary keeps two)
+        name = f"losses.g{os.environ['TORSH_FT_GROUP']}.r{os.environ['RANK']}.json"
+        (Path(sys.argv[2]) / name).write_text(json.dumps(result.losses))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""Replica groups' configuration, fault specs, the pickle-free state codec and the refusals
+(issue 38); the multi-process behaviour is in tests/distributed/test_ft_replica_groups.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torsh_distributed.compression.config import CompressionConfig
+from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.ft.config import FTConfig
+from torsh_distributed.parallel.config import ParallelConfig
+
+
+def test_defaults_are_off_and_round_trip() -> None:
+    assert not EngineConfig().ft.enabled
+    cfg = EngineConfig(ft=FTConfig(replica_groups=2, max_restarts=5, min_groups=2))
+    assert EngineConfig.from_dict(cfg.to_dict()).ft == cfg.ft
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"replica_groups": 0}, r"ft.replica_groups must be > 0"),
+        ({"replica_groups": 2, "min_groups": 3}, r"ft.min_groups \(3\) cannot exceed"),
+        ({"max_restarts": -1}, r"ft.max_restarts must be >= 0"),
+        ({"backoff_s": -0.5}, r"ft.backoff_s must be >= 0"),
+        ({"heartbeat_timeout_s": 0}, r"ft.heartbeat_timeout_s must be > 0"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FTConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"parallel": ParallelConfig(tp=2)}, r"cannot run with --tp 2"),
+        ({"compression": CompressionConfig(method="topk:0.01")}, r"does not support --compression"),
+        ({"batch_size": 33}, r"batch_size 33 is not divisible by ft.replica_groups 2"),
+    ],
+)
+def test_layouts_replica_groups_cannot_serve_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(ft=FTConfig(replica_groups=2), **kwargs)
+
+
+def test_fault_specs() -> None:
+    from torsh_distributed.ft.replica import parse_faults
+
+    kill, hold = parse_faults("kill:rank=3:step=20:attempt=1, hold:rank=0:step=25:group=1")
+    assert (kill.kind, kill.rank, kill.step, kill.attempt) == ("kill", 3, 20, 1)
+    assert (hold.kind, hold.group, hold.attempt) == ("hold", 1, 0)
+    with pytest.raises(ValueError, match=r"hold:rank=R:step=S:group=G"):
+        parse_faults("hold:rank=0:step=3")
+    with pytest.raises(ValueError, match=r"bad 'step=x'"):
+        parse_faults("kill:rank=0:step=x")
+
+
+def test_state_codec_round_trips_without_pickle() -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]')")
+    from torsh_distributed.ft._transport import decode, encode
+
+    state = {
+        "model": {"w": torch.randn(3, 4), "b": torch.zeros(0), "h": torch.ones(2).bfloat16()},
+        "optim": {0: {"step": torch.tensor(5.0), "momentum_buffer": torch.randn(4)}},
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 1], "name": None}],
+        "losses": [1.5, 0.25],
+    }
+    header, blobs = encode(state)
+    assert b"__tensor__" in header and len(blobs) == 5
+    back = decode(header, blobs)
+    assert back["model"]["w"].equal(state["model"]["w"])
+    assert back["model"]["h"].dtype == torch.bfloat16 and back["model"]["b"].shape == (0,)
+    assert back["optim"][0]["momentum_buffer"].equal(state["optim"][0]["momentum_buffer"])
+    assert back["groups"][0]["betas"] == [0.9, 0.95] and back["losses"] == [1.5, 0.25]
+    with pytest.raises(TypeError, match=r"cannot send a object"):
+        encode({"x": object()})
+
+
+def test_a_run_not_started_by_the_launcher_is_refused() -> None:
+    from torsh_distributed.ft.replica import ReplicaGroups
+
+    with pytest.raises(ValueError, match=r"needs the replica-group launcher .* missing"):
+        ReplicaGroups(FTConfig(replica_groups=2), group_rank=0, group_size=1, env={})
+    env = {
+        k: "0"
+        for k in (
+            "TORSH_FT_GROUP",
+            "TORSH_FT_RANK",
+            "TORSH_FT_LIGHTHOUSE",
+            "TORSH_FT_STORE",
+            "TORSH_FT_DIR",
+        )
+    }
+    with pytest.raises(ValueError, match=r"ft.replica_groups is 2 but the launcher started 3"):
+        ReplicaGroups(
+            FTConfig(replica_groups=2),
+            group_rank=0,
+            group_size=1,
+            env={**env, "TORSH_FT_GROUPS": "3"},
+        )
+
+
+def test_group_share_of_the_global_batch() -> None:
+    from torsh_distributed.ft.replica import ReplicaGroups
+
+    env = {
+        "TORSH_FT_GROUP": "1",
+        "TORSH_FT_GROUPS": "2",
+        "TORSH_FT_RANK": "2",
+        "TORSH_FT_LIGHTHOUSE": "x",
+        "TORSH_FT_STORE": "127.0.0.1:1",
+        "TORSH_FT_DIR": ".",
+    }
+    groups = ReplicaGroups(FTConfig(replica_groups=2), group_rank=0, group_size=2, env=env)
+    assert groups.shard(torch.arange(8)).tolist() == [4, 5, 6, 7]

@@ -87,7 +87,7 @@ def _train(schedule: str, optimizer: str, clip: float, partition: int, steps: in
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("optimizer", "clip", "partition"),
-    [("adamw", 0.0, 1024), ("sgd", 0.0, 300), ("adamw", 0.5, 4096)],
+    [("adamw", 0.0, 1024), ("sgd", 0.5, 300)],
 )
 def test_priority_equals_ddp_bitwise(optimizer: str, clip: float, partition: int) -> None:
     steps = 6
@@ -115,6 +115,7 @@ def _engine_run(schedule: str, ckpt_dir: str, report: str) -> dict:
         {
             "max_steps": 8,
             "batch_size": 8,
+            "grad_accum": 2,  # the first micro-batch's backward must not exchange
             "progress": False,
             "eval_batches": 2,
             "data": {"max_bytes": 200_000},
@@ -132,8 +133,8 @@ def _engine_run(schedule: str, ckpt_dir: str, report: str) -> dict:
 
 @pytest.mark.timeout(180)
 def test_engine_priority_equals_fifo(tmp_path) -> None:
-    """The trainer's --comm-schedule priority (checkpoints every 4 steps drain the exchange,
-    the monitor gets the link estimate) gives DDP's losses bit for bit."""
+    """The trainer's --comm-schedule priority (gradient accumulation, checkpoints every 4 steps
+    drain the exchange, the monitor gets the link estimate) gives DDP's losses bit for bit."""
     import json
 
     runs = {}

@@ -7,11 +7,13 @@ overlapped 25 MB buckets), ``zero3`` (FSDP2, one unit per block, prefetch) and `
 pipeline stages, 1F1B, 4 micro-batches; with 4 hosts x dp 2). Model: the built-in GPT, 4 layers,
 width 384, 4 heads, context 128, fp32 AdamW, global batch ``--batch``.
 
-What the prediction uses, measured before any training run and never fitted to one:
+What the prediction uses, measured apart from the training runs and never fitted to them:
 
-* the device model: ``torsh_distributed.plan.device_profile.measure`` (``torsh-dist plan
-  profile``) on this host with ``--hosts`` processes timing at once (the ranks share the cores):
-  every GEMM shape the three layouts run, element-wise rate, fused attention, optimizer step;
+* the device model (``torsh-dist plan profile``'s kernels, ``device_profile.time_kernels``):
+  every GEMM shape of the layout, the element-wise rate, fused attention, the optimizer step,
+  timed by the run's own ranks at once (they share the cores) just before and just after each
+  run, so that the profile sees the machine's load of that moment (other engineers' jobs run
+  here); the prediction is the mean of the two;
 * the link: a one-way Gloo send between two lab hosts at 64 kB and 8 MB, fitted as ``alpha +
   bytes / bandwidth`` (``--inter-latency``, ``--inter-bw``); beside it the prediction from the
   nominal rate (the ``tc`` rate, alpha 100 us).
@@ -117,6 +119,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from torsh_distributed.plan.device_profile import kernel_spec, summarise, time_kernels
     from torsh_distributed.train import train
 
     torch.set_num_threads(1)
@@ -142,15 +145,35 @@ def _worker(args: argparse.Namespace) -> None:
             secs.append(statistics.median(runs))
         beta = (secs[1] - secs[0]) / ((8 << 20) - (64 << 10))
         out["link"] = {"alpha": max(secs[0] - (64 << 10) * beta, 1e-6) / 2, "bw": 1 / beta}
+    cfg = _strategy(dist.get_world_size(), args.batch, _num_params(), 12.5e6, 1e-4)
+    lays = _sim_layouts(dist.get_world_size(), args.batch)
+
+    def profile(name: str) -> dict[str, Any]:
+        """This layout's kernels timed by every rank at once, just before or after its run."""
+        spec = kernel_spec(cfg, [lays[name]], repeats=args.profile_repeats)
+        mine = time_kernels(spec, dist.barrier)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        load = os.getloadavg()[0]
+        return summarise(spec, every, source=f"in the run's ranks, load {load:.1f}", dtype="fp32")
+
     for name in args.order.split(","):
+        before = profile(name)
         load = os.getloadavg()[0]
         full = train(_train_config(name, args.steps, args.batch))
         one = train(_train_config(name, 1, args.batch))
+        after = profile(name)
         loop = args.batch * args.steps / full.samples_per_s
         steady = (loop - args.batch / one.samples_per_s) / (args.steps - 1)
         t = torch.tensor([steady])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out["runs"][name] = {"steady_s": float(t), "load": load, "params": full.num_params}
+        out["runs"][name] = {
+            "steady_s": float(t),
+            "load": load,
+            "load_after": os.getloadavg()[0],
+            "params": full.num_params,
+            "profiles": [before, after],
+        }
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -169,7 +192,12 @@ def _lab(hosts: int, rate: float, net: int) -> Any:
 
 def _round(lab: Any, hosts: int, order: list[str], link: bool, args: argparse.Namespace) -> Any:
     out = Path(tempfile.mkdtemp(prefix="torsh-simlab-")) / "round.json"
-    forward = [f"--steps={args.steps}", f"--batch={args.batch}", f"--order={','.join(order)}"]
+    forward = [
+        f"--steps={args.steps}",
+        f"--batch={args.batch}",
+        f"--order={','.join(order)}",
+        f"--profile-repeats={args.profile_repeats}",
+    ]
     procs = []
     for rank in range(hosts):
         env = lab.rank_env(rank=rank, world_size=hosts, ranks_per_host=1, master_port=29671)
@@ -204,8 +232,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--profile-repeats", type=int, default=7)
-    parser.add_argument("--profile", help="use this device profile instead of measuring one")
+    parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -218,8 +245,6 @@ def main() -> int:
         return 0
     from netlab import available
 
-    from torsh_distributed.plan.device_profile import measure
-
     reason = available()
     if reason:
         print(f"skipped: {reason}")
@@ -229,29 +254,11 @@ def main() -> int:
     names = args.layouts.split(",")
     params = _num_params()
     started = time.time()
-    cfg = _strategy(args.hosts, args.batch, params, 12.5e6, 1e-4)
-    lays = list(_sim_layouts(args.hosts, args.batch).values())
-
-    def profile_now() -> dict[str, Any]:
-        """The device model, measured just before the round it predicts (same load)."""
-        if args.profile:
-            return json.loads(Path(args.profile).read_text())
-        prof = measure(cfg, lays, processes=args.hosts, repeats=args.profile_repeats)
-        print(
-            f"  device: {prof['source']}; GEMM peak {prof['peak_flops'] / 1e9:.1f} GFLOP/s, "
-            f"element-wise {prof['hbm_bw'] / 1e9:.2f} GB/s, attention {prof['attn_eff']:.2f} "
-            f"of peak (backward {prof['flash_backward']:.2f}x), optimizer "
-            f"{prof['optimizer_per_param'] * 1e9:.2f} ns/param",
-            flush=True,
-        )
-        return prof
-
     results: dict[str, Any] = {"rates": {}}
     for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-        rounds, profiles = [], []
+        rounds = []
         with _lab(args.hosts, rate, 140 + i) as lab:
             for r in range(args.rounds):
-                profiles.append(profile_now())
                 order = names[r % len(names) :] + names[: r % len(names)]
                 rounds.append(_round(lab, args.hosts, order, r == 0, args))
                 print(
@@ -261,33 +268,38 @@ def main() -> int:
                 )
         link = rounds[0]["link"]
         nominal_bw = rate * 1e6 / 8 if rate else link["bw"]
-        preds = [
-            _predict(prof, args.hosts, args.batch, params, link["bw"], link["alpha"])
-            for prof in profiles
-        ]
-        noms = [
-            _predict(prof, args.hosts, args.batch, params, nominal_bw, 1e-4) for prof in profiles
-        ]
         rows = {}
         for n in names:
-            steps = [x["runs"][n]["steady_s"] for x in rounds]
-            loads = [x["runs"][n]["load"] for x in rounds]
-            pred = [p[n].step_s for p in preds]
-            nom = [p[n].step_s for p in noms]
-            med, pmed, nmed = (statistics.median(v) for v in (steps, pred, nom))
+            runs = [x["runs"][n] for x in rounds]
+            steps = [run["steady_s"] for run in runs]
+            loads = [run["load"] for run in runs] + [run["load_after"] for run in runs]
+
+            def predicted(bw: float, alpha: float, run: dict[str, Any], n: str = n) -> Any:
+                """Mean of the predictions from the profiles just before and after the run."""
+                res = [
+                    _predict(prof, args.hosts, args.batch, params, bw, alpha)[n]
+                    for prof in run["profiles"]
+                ]
+                return statistics.fmean(x.step_s for x in res), res[0]
+
+            pred = [predicted(link["bw"], link["alpha"], run) for run in runs]
+            nom = [predicted(nominal_bw, 1e-4, run)[0] for run in runs]
+            pred_s = [x[0] for x in pred]
+            med, pmed, nmed = (statistics.median(v) for v in (steps, pred_s, nom))
             rows[n] = {
                 "measured_s": med,
                 "rounds_s": steps,
                 "load": loads,
                 "predicted_s": pmed,
-                "predicted_rounds_s": pred,
-                "round_errors": [p / m - 1 for p, m in zip(pred, steps, strict=True)],
+                "predicted_rounds_s": pred_s,
+                "round_errors": [p / m - 1 for p, m in zip(pred_s, steps, strict=True)],
                 "error": pmed / med - 1,
                 "nominal_s": nmed,
                 "nominal_error": nmed / med - 1,
-                "breakdown_s": preds[len(preds) // 2][n].breakdown,
+                "breakdown_s": pred[len(pred) // 2][1].breakdown,
+                "profiles": [run["profiles"] for run in runs],
             }
-        results["rates"][f"{rate:g}"] = {"link": link, "rows": rows, "profiles": profiles}
+        results["rates"][f"{rate:g}"] = {"link": link, "rows": rows}
     print(
         f"\n{args.hosts} hosts x 1 rank x 1 thread, GPT {SHAPE}, {params:,} params, fp32 AdamW, "
         f"global batch {args.batch}, {args.steps}-step runs x {args.rounds} rounds; "

@@ -71,6 +71,7 @@ def _options(run: PublishedRun) -> dict[str, object]:
     """How the published system runs every layout (model extras, sequence parallelism,
     overlap), for the simulated search."""
     return {
+        "schedule": run.schedule,  # DeepSpeed's engine for MT-NLG and BLOOM
         "sequence_parallel": run.sequence_parallel,
         "dp_overlap": run.dp_overlap,
         "kv_heads": run.kv_heads,
@@ -103,7 +104,9 @@ def _cell(best: SimResult | str, pub: SimResult) -> str:
 
 def _strategy(run: PublishedRun, top: int) -> None:
     stages = (0,) if run.zero_stage == 0 else (0, 1)  # what the published system had
-    cfg = replace(run.config(), stages=stages)
+    # uneven pipeline stages where the published system had them (BLOOM: 70 layers on 12
+    # stages; Llama 3: 126 on 16); Megatron-LM 2021 needed pp to divide the layers
+    cfg = replace(run.config(), stages=stages, uneven_stages=run.layers % run.pp != 0)
     pub = predict(run)
     free = _best(cfg, top, _options(run))
     full = _best(replace(cfg, activation_checkpointing="full"), top, _options(run))

@@ -207,3 +207,36 @@ def test_plan_profile_writes_what_plan_simulate_uses(
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["step_s"] > 0 and res["layout"]["zero_stage"] == 3
+
+
+def test_uneven_stages_let_the_planner_reach_blooms_layout() -> None:
+    from torsh_distributed.plan.strategy import plan_strategy
+
+    bloom = StrategyConfig(
+        params=176.2e9,
+        layers=70,
+        hidden=14336,
+        heads=112,
+        vocab=250880,
+        devices=384,
+        nodes=48,
+        device_memory=80e9,
+        intra_bw=300e9,
+        inter_bw=50e9,
+        global_batch=2048,
+        stages=(0, 1),
+        tp=4,
+        pp=12,
+    )
+    with pytest.raises(ValueError, match="pp dividing --layers 70 \\(--uneven-stages lifts"):
+        plan_strategy(bloom)
+    plan = plan_strategy(StrategyConfig(**{**_fields(bloom), "uneven_stages": True}))
+    best = plan.candidates[0].layout
+    assert (best.tp, best.pp, best.dp) == (4, 12, 8)
+    # the busiest of 12 stages holds ceil(70 / 12) = 6 layers: as slow as 72 layers evenly
+    even = plan_strategy(StrategyConfig(**{**_fields(bloom), "layers": 72}))
+    assert plan.candidates[0].step_time == pytest.approx(even.candidates[0].step_time, rel=0.02)
+
+
+def _fields(cfg: StrategyConfig) -> dict[str, object]:
+    return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}

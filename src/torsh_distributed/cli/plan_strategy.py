@@ -144,6 +144,7 @@ def config(args: argparse.Namespace) -> StrategyConfig:
         ep=args.ep,
         stages=args.stages,
         pp_scatter_gather=args.pp_scatter_gather,
+        uneven_stages=getattr(args, "uneven_stages", False),
         ref_batch=args.ref_batch,
         ref_lr=args.ref_lr,
         ref_warmup_steps=args.ref_warmup_steps,
@@ -414,6 +415,11 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
         type=_stages,
         default=(0, 1, 2, 3),
         help="ZeRO stages to consider: 0..3 (default), 0,1,2, ...",
+    )
+    t.add_argument(
+        "--uneven-stages",
+        action="store_true",
+        help="also pp degrees not dividing --layers (the busiest stage holds ceil(layers/pp))",
     )
     r = p.add_argument_group("learning rate")
     r.add_argument(

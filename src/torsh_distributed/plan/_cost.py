@@ -137,7 +137,7 @@ def _activations(cfg: StrategyConfig, lay: Layout) -> float:
     last: the logits)."""
     s, h, act = cfg.seq_len, cfg.hidden, _act_bytes(cfg)
     tokens = lay.micro_batch * s
-    layers = cfg.layers // lay.pp
+    layers = -(-cfg.layers // lay.pp)
     full = _layer_activation(cfg, lay.tp, lay.micro_batch)
     per_layer = act * h * tokens if lay.recompute else full  # recomputation keeps the input
     extra = full if lay.recompute else 0.0  # one layer recomputed at a time in backward
@@ -162,14 +162,14 @@ def _memory(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
             local_expert, lay.dp, lay.stage, dtype=cfg.dtype, optimizer=opt, layout=layout
         ).total
     local = local_dense + local_expert
-    unit = local / (cfg.layers // lay.pp)  # one layer's parameters (embeddings ignored)
+    unit = local / (-(-cfg.layers // lay.pp))  # one layer's parameters (embeddings ignored)
     acts = _activations(cfg, lay)
     work = _act_bytes(cfg)
     memory = {"model_states": float(states), "activations": acts, "transient": 0.0}
     if cfg.layout == "fsdp2":  # what this package's DDP/FSDP2 hold besides the states
         ddp = lay.tp == 1 and lay.pp == 1 and lay.dp * lay.ep > 1
         if lay.stage >= 2 or ddp:
-            units = [round(unit)] * (cfg.layers // lay.pp)
+            units = [round(unit)] * (-(-cfg.layers // lay.pp))
             memory["transient"] = float(
                 transient_bytes(
                     lay.stage, num_params=local, unit_params=units, root_params=0, dtype=cfg.dtype
@@ -192,7 +192,7 @@ def _time(cfg: StrategyConfig, lay: Layout) -> dict[str, float]:
     dense, expert, active = split_params(cfg)
     prof = cfg.profile
     s, h, act = cfg.seq_len, cfg.hidden, _act_bytes(cfg)
-    layers = cfg.layers // lay.pp
+    layers = -(-cfg.layers // lay.pp)
     m = lay.microbatches
     micro_bytes = lay.micro_batch * s * h * act
     passes = 6 if lay.recompute else 4  # all-reduces per layer: 2 forward, 2 backward (+2)
@@ -269,7 +269,7 @@ def _profiled_compute(cfg: StrategyConfig, lay: Layout, prof: Profile) -> float 
         return None
     if lay.recompute:
         block *= 4 / 3  # one more forward of a forward + backward of 3 forwards' work
-    return lay.microbatches * (cfg.layers // lay.pp * block + outside)
+    return lay.microbatches * (-(-cfg.layers // lay.pp) * block + outside)
 
 
 def _dp_time(cfg: StrategyConfig, lay: Layout, params: float, n: int, link: Link) -> float:
@@ -286,7 +286,7 @@ def _dp_time(cfg: StrategyConfig, lay: Layout, params: float, n: int, link: Link
     m = lay.microbatches
     grad = 4 if cfg.dtype == "fp32" or cfg.layout == "fsdp2" else 2
     param = _act_bytes(cfg)
-    units = cfg.layers // lay.pp + 1  # one collective per layer (and the root) for stages 2-3
+    units = -(-cfg.layers // lay.pp) + 1  # one collective per layer (and the root) for stages 2-3
     prof = cfg.profile if link.kind == "intra" else None  # profiled on one machine
     if lay.stage <= 1:
         # this package's DDP: 25 MB buckets; the paper layout: one collective per layer, as
@@ -311,7 +311,7 @@ def _dp_time(cfg: StrategyConfig, lay: Layout, params: float, n: int, link: Link
     measured = _fsdp_measured(cfg, lay, n, prof)
     if measured is not None:
         block, root = measured
-        per_micro_batch = cfg.layers // lay.pp * block + root
+        per_micro_batch = -(-cfg.layers // lay.pp) * block + root
         return max(0.0, m * per_micro_batch - (m - 1) * scatter_s)
     return scatters * scatter_s + gathers * gather_s
 

@@ -86,6 +86,10 @@ class StrategyConfig:
     """Pin the expert-parallel degree (0 = search)."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages considered."""
+    uneven_stages: bool = False
+    """Search pipeline degrees that do not divide the layers (the busiest stage holds
+    ``ceil(layers / pp)``; Megatron-DeepSpeed and Llama 3's pipeline allow it, Megatron-LM 2021
+    did not); off: pp divides the layers."""
     pp_scatter_gather: bool = False
     """Pipeline sends split over the tp ranks and gathered over the intra-node link
     (Narayanan et al. 2021, section 4.1): a ``tp`` times smaller inter-node message."""

@@ -42,7 +42,15 @@ if TYPE_CHECKING:
     from torsh_distributed.plan._sim_layout import SimLayout
     from torsh_distributed.plan._strategy_config import StrategyConfig
 
-__all__ = ["from_dict", "gemm_shapes", "load", "measure"]
+__all__ = [
+    "from_dict",
+    "gemm_shapes",
+    "kernel_spec",
+    "load",
+    "measure",
+    "summarise",
+    "time_kernels",
+]
 
 _FIELDS = ("peak_flops", "hbm_bw", "attn_eff", "flash_backward", "optimizer_per_param")
 
@@ -82,17 +90,12 @@ def _parse(key: str) -> tuple[int, int, int, int, int]:
     return m, n, k, batch, int(nbytes)
 
 
-def _worker(
-    rank: int,
-    barrier: Any,
-    queue: Any,
-    spec: dict[str, Any],
-) -> None:
+def time_kernels(spec: dict[str, Any], sync: Any) -> dict[str, Any]:
+    """Time ``spec``'s kernels (:func:`kernel_spec`) in this process; ``sync()`` before every
+    timed run starts the copies together (a barrier). Torch threads are set by the caller."""
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(rank)
     dtype = torch.float32 if spec["act"] == 4 else torch.bfloat16
     repeats = spec["repeats"]
 
@@ -100,7 +103,7 @@ def _worker(
         fn()  # warm-up
         runs = []
         for _ in range(repeats):
-            barrier.wait()
+            sync()
             start = time.perf_counter()
             fn()
             runs.append(time.perf_counter() - start)
@@ -146,7 +149,72 @@ def _worker(
         optim.step()
 
     out["optimizer_s"] = timed(step)
-    queue.put((rank, out))
+    return out
+
+
+def _worker(rank: int, barrier: Any, queue: Any, spec: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(rank)
+    queue.put((rank, time_kernels(spec, barrier.wait)))
+
+
+def kernel_spec(
+    cfg: StrategyConfig, layouts: Sequence[SimLayout], *, threads: int = 1, repeats: int = 5
+) -> dict[str, Any]:
+    """What :func:`time_kernels` times for simulating ``layouts`` on ``cfg``: their GEMM shapes,
+    and the element-wise and attention kernels at the first layout's micro-batch."""
+    if threads < 1 or repeats < 1:
+        raise ValueError("--threads and --repeats must be >= 1")
+    if not layouts:
+        raise ValueError("a device profile needs at least one layout")
+    lay = layouts[0]
+    return {
+        "gemms": gemm_shapes(cfg, layouts),
+        "act": 4 if cfg.dtype == "fp32" else 2,
+        "threads": threads,
+        "repeats": repeats,
+        "tokens": lay.micro_batch * cfg.seq_len,
+        "hidden": cfg.hidden,
+        "ffn": lay.ffn_hidden or 4 * cfg.hidden,
+        "attention": (lay.micro_batch, cfg.heads, cfg.seq_len, cfg.hidden // cfg.heads),
+        "optimizer_tensors": [cfg.hidden * cfg.hidden] * 4 + [cfg.hidden] * 8,
+    }
+
+
+def summarise(
+    spec: dict[str, Any], results: Sequence[dict[str, Any]], *, source: str, dtype: str
+) -> dict[str, Any]:
+    """The profile (:func:`from_dict`'s input) of the copies' :func:`time_kernels` results:
+    per kernel the mean over the copies of their medians."""
+
+    def mean(get: Any) -> float:
+        return statistics.fmean(get(res) for res in results)
+
+    gemm = {key: mean(lambda r, key=key: r["gemm"][key]) for key in spec["gemms"]}
+    peak = max(
+        (2.0 * math.prod(_parse(key)[:4]) / t for key, t in gemm.items() if t > 0), default=1e9
+    )
+    act, tokens, h, ffn = spec["act"], spec["tokens"], spec["hidden"], spec["ffn"]
+    # the element-wise bytes as the simulator counts them: forward once, backward twice
+    fwd_bytes = act * tokens * (2 * 2 * h + 2 * 3 * h + 2 * ffn)
+    b, heads, s, d = spec["attention"]
+    flash_f = mean(lambda r: r["flash_f"])
+    flash_fb = mean(lambda r: r["flash_fb"])
+    return {
+        "name": "cpu",
+        "peak_flops": peak,
+        "hbm_bw": 3 * fwd_bytes / mean(lambda r: r["elementwise_s"]),
+        "attn_eff": min(1.0, b * heads * 2.0 * s * s * d / flash_f / peak),
+        "flash_backward": max(0.0, (flash_fb - flash_f) / flash_f),
+        "optimizer_per_param": mean(lambda r: r["optimizer_s"]) / sum(spec["optimizer_tensors"]),
+        "measured": gemm,
+        "source": source,
+        "dtype": dtype,
+        "hidden": h,
+        "seq_len": s,
+    }
 
 
 def measure(
@@ -175,25 +243,9 @@ def measure(
     """
     import multiprocessing as mp
 
-    if processes < 1 or threads < 1 or repeats < 1:
-        raise ValueError("--processes, --threads and --repeats must be >= 1")
-    if not layouts:
-        raise ValueError("measure needs at least one layout")
-    act = 4 if cfg.dtype == "fp32" else 2
-    lay = layouts[0]
-    ffn = lay.ffn_hidden or 4 * cfg.hidden
-    tokens = lay.micro_batch * cfg.seq_len
-    spec = {
-        "gemms": gemm_shapes(cfg, layouts),
-        "act": act,
-        "threads": threads,
-        "repeats": repeats,
-        "tokens": tokens,
-        "hidden": cfg.hidden,
-        "ffn": ffn,
-        "attention": (lay.micro_batch, cfg.heads, cfg.seq_len, cfg.hidden // cfg.heads),
-        "optimizer_tensors": [cfg.hidden * cfg.hidden] * 4 + [cfg.hidden] * 8,
-    }
+    if processes < 1:
+        raise ValueError("--processes must be >= 1")
+    spec = kernel_spec(cfg, layouts, threads=threads, repeats=repeats)
     load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(processes), ctx.Queue()
@@ -220,37 +272,12 @@ def measure(
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-
-    def mean(get: Any) -> float:
-        return statistics.fmean(get(res) for res in results.values())
-
-    gemm = {key: mean(lambda r, key=key: r["gemm"][key]) for key in spec["gemms"]}
-    peak = max(
-        (2.0 * math.prod(_parse(key)[:4]) / t for key, t in gemm.items() if t > 0), default=1e9
+    source = (
+        f"torsh-dist plan profile: {processes} process(es) x {threads} thread(s), "
+        f"{repeats} repeats (median), {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}"
     )
-    # the element-wise bytes as the simulator counts them: forward once, backward twice
-    fwd_bytes = act * tokens * (2 * 2 * cfg.hidden + 2 * 3 * cfg.hidden + 2 * ffn)
-    b, heads, s, d = spec["attention"]
-    flash_f = mean(lambda r: r["flash_f"])
-    flash_fb = mean(lambda r: r["flash_fb"])
-    opt_params = sum(spec["optimizer_tensors"])
-    return {
-        "name": "cpu",
-        "peak_flops": peak,
-        "hbm_bw": 3 * fwd_bytes / mean(lambda r: r["elementwise_s"]),
-        "attn_eff": min(1.0, b * heads * 2.0 * s * s * d / flash_f / peak),
-        "flash_backward": max(0.0, (flash_fb - flash_f) / flash_f),
-        "optimizer_per_param": mean(lambda r: r["optimizer_s"]) / opt_params,
-        "measured": gemm,
-        "source": (
-            f"torsh-dist plan profile: {processes} process(es) x {threads} thread(s), "
-            f"{repeats} repeats (median), {time.strftime('%Y-%m-%d %H:%M')}, "
-            f"load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}"
-        ),
-        "dtype": cfg.dtype,
-        "hidden": cfg.hidden,
-        "seq_len": cfg.seq_len,
-    }
+    return summarise(spec, list(results.values()), source=source, dtype=cfg.dtype)
 
 
 def from_dict(data: dict[str, Any]) -> DeviceModel:

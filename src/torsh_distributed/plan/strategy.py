@@ -128,7 +128,7 @@ def _layouts(cfg: StrategyConfig) -> list[tuple[int, int, int, int]]:
     for tp in _divisors(per_node):
         if cfg.heads % tp or cfg.tp not in (0, tp):
             continue
-        for pp in _divisors(cfg.layers):
+        for pp in range(1, cfg.layers + 1) if cfg.uneven_stages else _divisors(cfg.layers):
             if cfg.pp not in (0, pp):
                 continue
             for ep in _divisors(cfg.experts) if cfg.experts else [1]:
@@ -154,6 +154,7 @@ def plan_strategy(config: StrategyConfig) -> StrategyPlan:
             f"divisible by the data-parallel replicas dp*ep, with dp*tp*pp*ep = --devices "
             f"{cfg.devices}, tp dividing --heads {cfg.heads} and the {cfg.devices_per_node} "
             f"devices per node, pp dividing --layers {cfg.layers}"
+            + ("" if cfg.uneven_stages else " (--uneven-stages lifts that)")
             + (
                 f" (pinned: tp {cfg.tp}, pp {cfg.pp}, ep {cfg.ep}; 0 = free)"
                 if cfg.tp or cfg.pp or cfg.ep

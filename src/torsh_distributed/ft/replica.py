@@ -111,7 +111,7 @@ class FTFault:
 def parse_faults(spec: str) -> list[FTFault]:
     """``TORSH_FT_FAULT``: comma-separated ``kill:rank=R:step=S[:attempt=N]`` (rank R sends
     itself SIGKILL once S steps are done, in its group's N-th start, 0 by default) and
-    ``hold:rank=R:step=S:group=G`` (rank R waits before step S until group G has healed, at most
+    ``hold:rank=R:step=S:group=G`` (rank R waits before step S until a restarted group G asks to join, at most
     ``ft.timeout_s``: a straggler that lets a restarted group catch up in tests).
 
     Raises:
@@ -193,6 +193,7 @@ class ReplicaGroups:
         self.manager: Any = None
         self.run: RunState | None = None
         self._transport: Any = None
+        self._announced = False
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -215,12 +216,6 @@ class ReplicaGroups:
             key=f"ft/state/g{self.group}.{self.incarnation}/r{self.group_rank}",
             timeout=timeout,
         )
-        # the first quorum waits for every group (torchft would start with whoever is up)
-        store.set(f"ft/up/g{self.group}/r{self.group_rank}", "1")
-        store.wait(
-            [f"ft/up/g{g}/r{r}" for g in range(self.num_groups) for r in range(self.group_size)],
-            timedelta(seconds=max(self.section.timeout_s, 600.0)),  # a loaded host's start-up
-        )
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self._load_state,
@@ -239,6 +234,12 @@ class ReplicaGroups:
             hostname="127.0.0.1",
             checkpoint_transport=self._transport,
             init_sync=False,  # every group builds the same weights from the seed
+        )
+        # every group heartbeats before the first quorum (else it starts with whoever is up)
+        store.set(f"ft/up/g{self.group}/r{self.group_rank}", "1")
+        store.wait(
+            [f"ft/up/g{g}/r{r}" for g in range(self.num_groups) for r in range(self.group_size)],
+            timedelta(seconds=max(self.section.timeout_s, 600.0)),  # a loaded host's start-up
         )
 
     def close(self) -> None:
@@ -262,6 +263,19 @@ class ReplicaGroups:
             elif fault.kind == "hold" and not fault.done:
                 self._hold(fault.group)
                 fault.done = True
+        if self.incarnation and not self._announced and self.group_rank == 0:
+            self._announced = (
+                True  # a restarted group asks to join (tests' hold faults wait for it)
+            )
+            append_event(
+                self.directory,
+                {
+                    "event": "joining",
+                    "group": self.group,
+                    "time": time.time(),
+                    "incarnation": self.incarnation,
+                },
+            )
         self.manager.start_quorum()
         step = self.manager.current_step()
         if self.healed_at is None and step > done:  # healed from a live group
@@ -280,11 +294,12 @@ class ReplicaGroups:
         return step
 
     def _hold(self, group: int) -> None:
-        """Wait until ``group`` has healed (at most ``ft.timeout_s``): a straggler on purpose."""
+        """Wait until a restarted ``group`` asks to join (at most ``ft.timeout_s``): a straggler
+        on purpose, so that the group heals in this rank's next quorum."""
         deadline = time.monotonic() + self.section.timeout_s
         while time.monotonic() < deadline:
             if any(
-                e["event"] == "healed" and e["group"] == group for e in read_events(self.directory)
+                e["event"] == "joining" and e["group"] == group for e in read_events(self.directory)
             ):
                 return
             time.sleep(0.05)

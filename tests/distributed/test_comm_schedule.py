@@ -121,6 +121,8 @@ def _engine_run(schedule: str, ckpt_dir: str, report: str) -> dict:
             "data": {"max_bytes": 200_000},
             "model": {"block_size": 32, "n_layer": 2, "n_head": 2, "d_model": 64},
             "optim": {"grad_clip": 0.0},
+            # recomputed forwards run inside backward: they must not wait for this step's update
+            "parallel": {"activation_checkpointing": "full"},
             "checkpoint": {"dir": ckpt_dir, "every": 4},
             "monitor": {"enabled": True, "every": 2, "report_json": report},
             "comm": {"exchange_schedule": schedule}
@@ -133,8 +135,9 @@ def _engine_run(schedule: str, ckpt_dir: str, report: str) -> dict:
 
 @pytest.mark.timeout(180)
 def test_engine_priority_equals_fifo(tmp_path) -> None:
-    """The trainer's --comm-schedule priority (gradient accumulation, checkpoints every 4 steps
-    drain the exchange, the monitor gets the link estimate) gives DDP's losses bit for bit."""
+    """The trainer's --comm-schedule priority (gradient accumulation, activation checkpointing,
+    checkpoints every 4 steps drain the exchange, the monitor gets the link estimate) gives
+    DDP's losses bit for bit."""
     import json
 
     runs = {}

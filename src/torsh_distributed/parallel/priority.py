@@ -289,8 +289,6 @@ class _Exchange:
                 ready=[m == 0 for m in missing],
                 left=[len(c) for c in self.layout.of_param],
             )
-            for event in self.events:
-                event.clear()
             self.state = "armed"
             self.idle.clear()
             self.jobs.put(self.step)
@@ -305,6 +303,8 @@ class _Exchange:
         step.hyper = [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
         ]
+        for event in self.events:  # cleared only now: a recomputing (checkpointed) forward
+            event.clear()  # inside backward must not wait for this step's own update
         self.state = "submitted"
         with self.cond:  # parameters backward did not reach count as ready (zero gradients)
             for c, m in enumerate(step.missing):

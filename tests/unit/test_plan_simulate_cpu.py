@@ -224,9 +224,11 @@ def test_uneven_stages_let_the_planner_reach_blooms_layout() -> None:
         intra_bw=300e9,
         inter_bw=50e9,
         global_batch=2048,
-        stages=(0, 1),
+        stages=(1,),
         tp=4,
         pp=12,
+        max_micro_batch=2,
+        activation_checkpointing="full",
     )
     with pytest.raises(ValueError, match="pp dividing --layers 70 \\(--uneven-stages lifts"):
         plan_strategy(bloom)

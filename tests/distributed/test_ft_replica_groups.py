@@ -177,7 +177,10 @@ def test_two_groups_fail_at_once_both_heal(tmp_path: Path) -> None:
 def test_group_that_keeps_failing_is_given_up_and_the_job_goes_on(tmp_path: Path) -> None:
     """Group 1 dies in each of its starts: restarted twice with back-off, then given up; group 0
     trains every step without it."""
-    faults = "kill:rank=1:step=4,kill:rank=1:step=4:attempt=1,kill:rank=1:step=4:attempt=2"
+    faults = (  # group 0 waits for each restart to ask to join, so that each one heals first
+        "kill:rank=1:step=4,kill:rank=1:step=4:attempt=1,kill:rank=1:step=4:attempt=2,"
+        "hold:rank=0:step=6:group=1,hold:rank=0:step=8:group=1:joins=2"
+    )
     lines: list[str] = []
     ft = FTConfig(replica_groups=2, max_restarts=2, backoff_s=0.1, timeout_s=600)
     rc, summary = _run(tmp_path, nproc=2, ft=ft, faults=faults, steps=40, lines=lines)

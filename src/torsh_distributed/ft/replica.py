@@ -105,14 +105,16 @@ class FTFault:
     step: int
     attempt: int = 0
     group: int = -1
+    joins: int = 1
     done: bool = False
 
 
 def parse_faults(spec: str) -> list[FTFault]:
     """``TORSH_FT_FAULT``: comma-separated ``kill:rank=R:step=S[:attempt=N]`` (rank R sends
     itself SIGKILL once S steps are done, in its group's N-th start, 0 by default) and
-    ``hold:rank=R:step=S:group=G`` (rank R waits before step S until a restarted group G asks to join, at most
-    ``ft.timeout_s``: a straggler that lets a restarted group catch up in tests).
+    ``hold:rank=R:step=S:group=G[:joins=N]`` (rank R waits before step S until a restarted
+    group G has asked to join N times, 1 by default, at most ``ft.timeout_s``: a straggler that
+    lets a restarted group heal at a known step in tests).
 
     Raises:
         ValueError: a malformed fault, naming it.
@@ -123,7 +125,11 @@ def parse_faults(spec: str) -> list[FTFault]:
         values: dict[str, int] = {}
         for pair in pairs:
             key, sep, value = pair.partition("=")
-            if not sep or key not in ("rank", "step", "attempt", "group") or not value.isdigit():
+            if (
+                not sep
+                or key not in ("rank", "step", "attempt", "group", "joins")
+                or not value.isdigit()
+            ):
                 raise ValueError(f"TORSH_FT_FAULT: bad {pair!r} in {part!r}")
             values[key] = int(value)
         if (
@@ -261,7 +267,7 @@ class ReplicaGroups:
                 faults.log_event("kill", rank=self.rank, step=done, where="ft")
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "hold" and not fault.done:
-                self._hold(fault.group)
+                self._hold(fault.group, fault.joins)
                 fault.done = True
         if self.incarnation and not self._announced and self.group_rank == 0:
             self._announced = (
@@ -293,14 +299,14 @@ class ReplicaGroups:
                 )
         return step
 
-    def _hold(self, group: int) -> None:
-        """Wait until a restarted ``group`` asks to join (at most ``ft.timeout_s``): a straggler
-        on purpose, so that the group heals in this rank's next quorum."""
+    def _hold(self, group: int, joins: int) -> None:
+        """Wait until a restarted ``group`` has asked to join ``joins`` times (at most
+        ``ft.timeout_s``): a straggler on purpose, so that the group heals in this rank's next
+        quorum."""
         deadline = time.monotonic() + self.section.timeout_s
         while time.monotonic() < deadline:
-            if any(
-                e["event"] == "joining" and e["group"] == group for e in read_events(self.directory)
-            ):
+            events = read_events(self.directory)
+            if sum(e["event"] == "joining" and e["group"] == group for e in events) >= joins:
                 return
             time.sleep(0.05)
 

@@ -64,6 +64,8 @@ def _why(best: SimResult, pub: SimResult) -> str:
     terms = [f"{k.replace('_', ' ')} {d:+.2f} s" for d, k in diffs[:3] if abs(d) > 1e-3]
     if best.layout.recompute != pub.layout.recompute:
         terms.insert(0, f"recompute {pub.layout.recompute} -> {best.layout.recompute}")
+    if best.layout.interleave != pub.layout.interleave:
+        terms.insert(0, f"chunks per rank {pub.layout.interleave} -> {best.layout.interleave}")
     return ", ".join(terms)
 
 
@@ -86,7 +88,7 @@ def _best(cfg: StrategyConfig, top: int, options: dict[str, object]) -> SimResul
         plan = plan_strategy(cfg)
     except ValueError as exc:  # e.g. BLOOM: the planner's pp must divide the layers
         return f"no layout ({str(exc).split(':', 1)[0]}; the planner's pp must divide --layers)"
-    ranked = rank_by_simulation(plan, top=top, **options)
+    ranked = rank_by_simulation(plan, top=top, explore=True, **options)
     fitting = [r for _, r in ranked if r.memory["total"] <= cfg.device_memory]
     return fitting[0] if fitting else f"none of {top} fits"
 

@@ -242,3 +242,31 @@ def test_uneven_stages_let_the_planner_reach_blooms_layout() -> None:
 
 def _fields(cfg: StrategyConfig) -> dict[str, object]:
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
+
+
+def test_simulate_explore_never_ranks_a_layout_slower_and_finds_interleaving() -> None:
+    from torsh_distributed.plan.simulate import rank_by_simulation
+    from torsh_distributed.plan.strategy import plan_strategy
+
+    cfg = StrategyConfig(
+        params=1.3e9,
+        layers=24,
+        hidden=2048,
+        heads=16,
+        devices=16,
+        nodes=2,
+        device_memory=80e9,
+        intra_bw=300e9,
+        inter_bw=25e9,
+        global_batch=64,
+        pp=4,
+        stages=(0,),
+    )
+    plan = plan_strategy(cfg)
+    own = {c.name(): r for c, r in rank_by_simulation(plan, top=5)}
+    explored = {c.name(): r for c, r in rank_by_simulation(plan, top=5, explore=True)}
+    assert own.keys() == explored.keys()
+    for name, res in explored.items():
+        assert res.memory["total"] <= cfg.device_memory
+        assert res.step_s <= own[name].step_s
+    assert any(r.layout.interleave > 1 for r in explored.values())

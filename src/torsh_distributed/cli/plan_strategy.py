@@ -191,7 +191,9 @@ def _simulated(plan: StrategyPlan, args: argparse.Namespace) -> list[dict[str, o
     """``--simulate``: the planner's best candidates re-ranked by the step simulator."""
     from torsh_distributed.plan.simulate import rank_by_simulation
 
-    ranked = rank_by_simulation(plan, top=args.simulate_top, **layout_options(args))
+    ranked = rank_by_simulation(
+        plan, top=args.simulate_top, explore=args.simulate_explore, **layout_options(args)
+    )
     rows = []
     for i, (cand, res) in enumerate(ranked, 1):
         out = res.to_dict()
@@ -230,7 +232,9 @@ def _handle(args: argparse.Namespace) -> int:
             lay = row["layout"]
             print(
                 f"| {row['rank']} | {row['name']} | {lay['micro_batch']} x {lay['microbatches']} "
-                f"| {lay['recompute']} | {row['memory_per_device_gb']:.1f} GB"
+                f"| {lay['recompute']}"
+                + (f", interleaved v{lay['interleave']}" if lay["interleave"] > 1 else "")
+                + f" | {row['memory_per_device_gb']:.1f} GB"
                 f"{'' if row['fits'] else ' (does not fit)'} | {row['step_s']:.4g} "
                 f"| {row['tflops_per_device']:.1f} | {row['mfu']:.1%} "
                 f"| {row['analytic_step_s']:.4g} | {row['planner_rank']} |"
@@ -438,6 +442,12 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument(
         "--simulate-top", type=int, default=20, help="layouts to simulate, in planner order (20)"
+    )
+    sim.add_argument(
+        "--simulate-explore",
+        action="store_true",
+        help="also try each layout without recomputation and interleaved (2, 4 chunks) where "
+        "the simulator's memory says it fits",
     )
     add_simulate_flags(sim)
     p.add_argument("--top", type=int, default=10, help="rows of the table (10)")

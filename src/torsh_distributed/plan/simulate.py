@@ -489,24 +489,50 @@ def _event(name: str, rank: int, lane: str, start: float, seconds: float) -> dic
 
 
 def rank_by_simulation(
-    plan: StrategyPlan, *, top: int = 20, **options: Any
+    plan: StrategyPlan, *, top: int = 20, explore: bool = False, **options: Any
 ) -> list[tuple[Candidate, SimResult]]:
     """The planner's ``top`` candidates (fitting ones, in its order), each simulated as 1F1B
     with its ZeRO stage, micro-batch and recomputation (``options``: further
     :class:`SimLayout` fields for all), ranked by simulated step time, those that fit by the
-    simulator's memory first."""
+    simulator's memory first.
+
+    ``explore``: also try, per candidate, what the planner does not model: no recomputation
+    where it chose full (the simulator's memory counts sequence parallelism's savings) and the
+    interleaved schedule with 2 and 4 chunks (1F1B candidates whose micro-batches divide by
+    pp); keep the fastest variant that fits by the simulator's memory (else the planner's own).
+    """
+    memory = plan.config.device_memory
     out = []
     for cand in [c for c in plan.candidates if c.fits][:top]:
         lay = cand.layout
-        sim = SimLayout(
-            tp=lay.tp,
-            pp=lay.pp,
-            ep=lay.ep,
-            zero_stage=lay.stage,
-            micro_batch=lay.micro_batch,
-            recompute="full" if lay.recompute else "none",
+        base = {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "ep": lay.ep,
+            "zero_stage": lay.stage,
+            "micro_batch": lay.micro_batch,
             **options,
+        }
+        own = simulate(
+            plan.config, SimLayout(recompute="full" if lay.recompute else "none", **base)
         )
-        out.append((cand, simulate(plan.config, sim)))
-    memory = plan.config.device_memory
+        best = own
+        if explore:
+            recomputes = ["full", "none"] if lay.recompute else ["none"]
+            chunks = [1]
+            if lay.pp > 1 and options.get("schedule", "1f1b") == "1f1b":
+                chunks += [v for v in (2, 4) if plan.config.layers >= lay.pp * v]
+            for recompute in recomputes:
+                for v in chunks:
+                    try:
+                        res = simulate(
+                            plan.config, SimLayout(recompute=recompute, interleave=v, **base)
+                        )
+                    except ValueError:  # e.g. micro-batches not a multiple of pp
+                        continue
+                    if res.memory["total"] <= memory and (
+                        best.memory["total"] > memory or res.step_s < best.step_s
+                    ):
+                        best = res
+        out.append((cand, best))
     return sorted(out, key=lambda cs: (cs[1].memory["total"] > memory, cs[1].step_s))

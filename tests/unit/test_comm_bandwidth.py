@@ -110,4 +110,6 @@ def test_config_refuses_bad_schedule_settings() -> None:
     from torsh_distributed.parallel.config import ParallelConfig
 
     with pytest.raises(ValueError, match="cannot run with --zero-stage 2"):
-        EngineConfig(comm=CommConfig(exchange_schedule="priority"), parallel=ParallelConfig(zero_stage=2))
+        EngineConfig(
+            comm=CommConfig(exchange_schedule="priority"), parallel=ParallelConfig(zero_stage=2)
+        )

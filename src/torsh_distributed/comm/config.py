@@ -72,4 +72,3 @@ class CommConfig:
                 raise ValueError(
                     f"comm.node_assignment must be comma-separated ints like 0,0,1,1, got {self.node_assignment!r}"
                 ) from None
-

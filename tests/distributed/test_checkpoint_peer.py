@@ -249,8 +249,7 @@ def test_the_engine_resumes_from_peers_as_from_a_shared_directory(tmp_path) -> N
     """Host 2 replaced after step 4: the run resumed from the peers' copies equals, bit for bit,
     the run resumed from the same checkpoint in one shared directory (today's path), and both
     continue the uninterrupted run (1e-5: at 3 ranks a resumed run differs from an uninterrupted
-    one in the last bits even from a shared directory; DDP's first iteration after a start
-    reduces in its initial bucket order, see docs/fault-tolerance.md)."""
+    one in the last bits even from a shared directory, measured in docs/fault-tolerance.md)."""
     from torsh_distributed.models.gpt import GPT
     from torsh_distributed.train import TrainConfig, preset
 

@@ -497,7 +497,8 @@ def rank_by_simulation(
     simulator's memory first.
 
     ``explore``: also try, per candidate, what the planner does not model: no recomputation
-    where it chose full (the simulator's memory counts sequence parallelism's savings) and the
+    where it chose full and recomputation was not pinned (``activation_checkpointing="full"``;
+    the simulator's memory counts sequence parallelism's savings) and the
     interleaved schedule with 2 and 4 chunks (1F1B candidates whose micro-batches divide by
     pp); keep the fastest variant that fits by the simulator's memory (else the planner's own).
     """
@@ -518,7 +519,10 @@ def rank_by_simulation(
         )
         best = own
         if explore:
-            recomputes = ["full", "none"] if lay.recompute else ["none"]
+            pinned = plan.config.activation_checkpointing == "full"  # --ac full pins it
+            recomputes = (
+                ["full", "none"] if lay.recompute and not pinned else [own.layout.recompute]
+            )
             chunks = [1]
             if lay.pp > 1 and options.get("schedule", "1f1b") == "1f1b":
                 chunks += [v for v in (2, 4) if plan.config.layers >= lay.pp * v]

@@ -98,8 +98,11 @@ def test_close_fails_queued_jobs_and_refuses_new_ones():
     progress = Progress(rank=0, name="t")
     gate = threading.Event()
     first = progress.submit(lambda: gate.wait(30) and None, _work(), caller_waits=False)
+    deadline = time.monotonic() + 30
+    while (progress._queue or not progress._running) and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the thread has taken the first job (it then blocks on the gate)
     queued = progress.submit(lambda: None, _work("broadcast"), caller_waits=False)
-    closer = threading.Thread(target=progress.close)
+    closer = threading.Thread(target=progress.close, kwargs={"join_s": 30})
     closer.start()
     with pytest.raises(CommunicationError, match="shut down before broadcast ran"):
         queued.wait()

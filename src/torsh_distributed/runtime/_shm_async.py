@@ -193,12 +193,6 @@ class Progress:
                 self._cv.notify_all()
             work._finish(error)
 
-    def drain(self) -> None:
-        """Wait until every job submitted so far has run."""
-        with self._cv:
-            while self._running or self._queue:
-                self._cv.wait()
-
     def close(self, *, join_s: float = 5.0) -> None:
         """Refuse new jobs, fail the queued ones, wait up to ``join_s`` for the running one."""
         with self._cv:
@@ -216,8 +210,3 @@ class Progress:
             )
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join_s)
-
-    @property
-    def idle(self) -> bool:
-        with self._cv:
-            return not (self._running or self._queue)

@@ -56,7 +56,7 @@ def test_jobs_run_in_submission_order_and_the_caller_goes_on():
     progress.submit(job(6), _work(), caller_waits=True)
     assert threads == {"torsh-shm-progress-t", threading.current_thread().name}
     assert progress.runs == {"inline": 1, "thread": 6}
-    progress.close()
+    assert progress.close()  # the thread stopped
 
 
 def test_a_jobs_error_is_raised_by_wait_and_set_on_the_future():

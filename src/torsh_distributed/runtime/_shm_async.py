@@ -193,8 +193,9 @@ class Progress:
                 self._cv.notify_all()
             work._finish(error)
 
-    def close(self, *, join_s: float = 5.0) -> None:
-        """Refuse new jobs, fail the queued ones, wait up to ``join_s`` for the running one."""
+    def close(self, *, join_s: float = 5.0) -> bool:
+        """Refuse new jobs, fail the queued ones, wait up to ``join_s`` for the running one;
+        whether the thread has stopped (or never started)."""
         with self._cv:
             self._closed = True
             pending = list(self._queue)
@@ -210,3 +211,5 @@ class Progress:
             )
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join_s)
+            return not self._thread.is_alive()
+        return True

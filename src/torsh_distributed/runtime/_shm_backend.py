@@ -496,7 +496,11 @@ class ShmProcessGroup(ProcessGroup):
     def shutdown(self) -> None:
         if self._transport is not None:
             self._transport.cancel()  # a job waiting for a peer gives up within 0.25 s
-        self.progress.close()
+        if not self.progress.close(join_s=max(self._timeout_s, 5.0)):
+            # still inside a kernel (a very loaded host): unmapping under it would crash it;
+            # the mapping goes with the process (the name was unlinked at init)
+            log.warning("gloo+shm rank %d: progress thread still busy at shutdown", self.rank())
+            return
         if self._transport is not None:
             self._transport.close()
 

@@ -11,7 +11,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,13 +29,11 @@ from torsh_distributed.parallel.parallelize import (
     materialize_first,
     parallelize,
 )
-from torsh_distributed.parallel.pipeline import (
-    PipelineRunner,
-    build_pipeline,
-    check_split_points,
-    stage_ids,
-)
+from torsh_distributed.parallel.pipeline import build_pipeline, check_split_points, stage_ids
 from torsh_distributed.parallel.tp_plan import resolve_tp_plan
+
+if TYPE_CHECKING:
+    from torsh_distributed.parallel._pipeline_runner import PipelineRunner
 
 __all__ = ["RunPlan", "BuiltModel", "Prefetch", "plan_run", "build_model", "param_order"]
 

@@ -74,17 +74,21 @@ import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
-from torsh_distributed.parallel._pipeline_runner import Deferred, PipelineRunner
-from torsh_distributed.parallel._pipeline_trace import make_schedule, meta_skeleton
 from torsh_distributed.parallel.blocks import CONTAINERS as _CONTAINERS
 from torsh_distributed.parallel.blocks import block_entries, find_blocks
+
+if TYPE_CHECKING:
+    # torch.distributed.pipelining imports torch._dynamo (seconds per rank): imported by
+    # build_pipeline, so that a run with pp=1 never pays it (issue 37)
+    from torch.distributed.pipelining import PipelineStage
+
+    from torsh_distributed.parallel._pipeline_runner import PipelineRunner
 
 __all__ = [
     "SCHEDULES",
@@ -486,6 +490,11 @@ def build_pipeline(
             checked at :meth:`PipelineRunner.step` by torch; a forward that can be neither split
             by module nor traced, at the first :meth:`PipelineRunner.step`, on every rank).
     """
+    from torch.distributed.pipelining import PipelineStage
+
+    from torsh_distributed.parallel._pipeline_runner import Deferred, PipelineRunner
+    from torsh_distributed.parallel._pipeline_trace import make_schedule, meta_skeleton
+
     num_stages = pp * virtual_stages
     check_pipeline(
         pp=pp,
@@ -515,3 +524,12 @@ def build_pipeline(
         stages.append(PipelineStage(module, sid, num_stages, device, group=group))
     runner = make_schedule(schedule, stages, microbatches, loss_fn)
     return PipelineRunner(stages, modules, runner, split=split, deferred=deferred)
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the re-export of PipelineRunner imports torch.distributed.pipelining on first use
+    if name == "PipelineRunner":
+        from torsh_distributed.parallel._pipeline_runner import PipelineRunner
+
+        return PipelineRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

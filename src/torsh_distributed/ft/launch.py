@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -253,6 +254,7 @@ def launch_groups(
         for group in groups:
             kill(group)
         lighthouse.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)  # the event log: read by now
 
 
 _D = FTConfig()

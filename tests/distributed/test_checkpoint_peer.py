@@ -72,7 +72,7 @@ def _load(base: str, replicas: int) -> dict:
         loaded = manager.load(model=model, optimizer=opt)
     except CheckpointError as exc:
         return {"error": str(exc)}
-    assert loaded is not None
+    assert loaded is not None  # can fail: load() is None when no complete checkpoint was found
     return {
         "step": loaded.step,
         "skipped": loaded.skipped,

@@ -32,7 +32,7 @@ def test_fit_recovers_rate_and_latency(rate: float, alpha: float, world: int) ->
     est = BandwidthEstimator(world_size=world)
     _feed(est, rate_mbit=rate, alpha=alpha, noise=0.02, seed=rate)
     link = est.estimate()
-    assert link is not None
+    assert link is not None  # can fail: estimate() is None when the fit has too few busy periods
     assert link.bandwidth_mbit == pytest.approx(rate, rel=0.05)  # the acceptance asks 10 %
     assert link.alpha_s == pytest.approx(alpha, rel=0.25, abs=2e-5)
     assert link.to_dict()["latency_ms"] == pytest.approx(link.alpha_s * 1e3, abs=1e-4)
@@ -72,13 +72,13 @@ def test_auto_partition_from_the_link() -> None:
     est = BandwidthEstimator(world_size=2)
     _feed(est, rate_mbit=100, alpha=3e-4, noise=0.0, seed=3)
     link = est.estimate()
-    assert link is not None
+    assert link is not None  # can fail: estimate() is None when the fit has too few busy periods
     partition, credit = choose_partition(link, world_size=2, total_bytes=13 << 20)
     assert partition == 256 << 10 and credit == 512 << 10  # the floor: 9 alpha B is 34 KB
     slow = BandwidthEstimator(world_size=2)
     _feed(slow, rate_mbit=1000, alpha=5e-3, noise=0.0, seed=4)  # high latency: 9 alpha B = 5.6 MB
     far = slow.estimate()
-    assert far is not None
+    assert far is not None  # can fail: estimate() is None when the fit has too few busy periods
     partition, credit = choose_partition(far, world_size=2, total_bytes=200 << 20)
     assert partition == 4 << 20 and credit >= 2 * partition
     partition, _ = choose_partition(far, world_size=2, total_bytes=4 << 20)

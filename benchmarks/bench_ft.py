@@ -34,7 +34,15 @@ from pathlib import Path
 from typing import Any
 
 
-def _job(mode: str, *, kill: bool, kill_step: int, every: int, steps: int) -> dict[str, Any]:
+def _job(
+    mode: str,
+    *,
+    kill: bool,
+    kill_step: int,
+    every: int,
+    steps: int,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         log, summary = Path(tmp) / "faults.jsonl", Path(tmp) / "summary.json"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -72,8 +80,8 @@ def _job(mode: str, *, kill: bool, kill_step: int, every: int, steps: int) -> di
             ]
             if kill:
                 env["TORSH_FAULT"] = f"kill:rank=3:step={kill_step}"
-        else:
-            argv += ["--ft.replica-groups", "2"]
+        elif mode == "replica groups":
+            argv += ["--ft.replica-groups", "2", *extra]
             if kill:
                 env["TORSH_FT_FAULT"] = f"kill:rank=3:step={kill_step}"
         started = time.perf_counter()
@@ -88,6 +96,8 @@ def _job(mode: str, *, kill: bool, kill_step: int, every: int, steps: int) -> di
         "final_loss": result["final_loss"],
         "steps": result["steps"],
     }
+    if "ft" in result and result["ft"]:
+        out["ft_time_s"] = result["ft"].get("time_s")
     if not kill:
         return out
     kill_event = next(e for e in events if e["event"] == "kill")

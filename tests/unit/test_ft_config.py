@@ -26,6 +26,7 @@ def test_defaults_are_off_and_round_trip() -> None:
         ({"max_restarts": -1}, r"ft.max_restarts must be >= 0"),
         ({"backoff_s": -0.5}, r"ft.backoff_s must be >= 0"),
         ({"heartbeat_timeout_s": 0}, r"ft.heartbeat_timeout_s must be > 0"),
+        ({"lighthouse": "raft"}, r"ft.lighthouse must be one of launcher, torchft, got 'raft'"),
     ],
 )
 def test_bad_settings_are_refused_by_name(kwargs: dict, match: str) -> None:

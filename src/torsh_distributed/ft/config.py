@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from torsh_distributed._checks import positive as _positive
 
-__all__ = ["FTConfig"]
+__all__ = ["LIGHTHOUSES", "FTConfig"]
+
+LIGHTHOUSES = ("launcher", "torchft")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,9 +33,20 @@ class FTConfig:
     """The job stops with an error when fewer groups than this are left (given up, or all
     down at once: nothing healthy to heal from)."""
     heartbeat_timeout_s: float = field(default=1.0, metadata={"flags": []})
-    """A group silent this long leaves the quorum (torchft's lighthouse heartbeat): the healthy
-    groups' stall after a kill is about this long. Too low on a loaded host evicts live groups
-    (they then heal and rejoin: slower, still correct)."""
+    """A group silent this long leaves the quorum. With ``lighthouse`` ``launcher`` this is only
+    the fallback for a failure the launcher cannot see (a hung process: a dead one leaves at
+    once); with ``torchft`` the healthy groups' stall after a kill is about this long. Too low on
+    a loaded host evicts live groups (they then heal and rejoin: slower, still correct)."""
+    lighthouse: str = field(default="launcher", metadata={"flags": []})
+    """The quorum service: ``launcher`` (torchft's rules, in the launcher, which drops a group
+    the moment it sees its processes die: the healthy groups stall about one quorum round) or
+    ``torchft`` (torchft's own lighthouse: a dead group leaves after ``heartbeat_timeout_s``)."""
+    spare_group: bool = field(default=True, metadata={"flags": []})
+    """Keep one group's worth of ranks started and imported (torch, torchft, the engine),
+    waiting: a restarted group takes them instead of fresh processes, which saves the
+    interpreter start-up and imports (most of a rejoin). Costs that many idle processes'
+    memory (~0.4 GB each with torch) and their imports' CPU once, after the job is up and again
+    after each restart."""
     timeout_s: float = field(default=30.0, metadata={"flags": []})
     """Timeout of the cross-group all-reduce, the commit vote and the state transfer."""
 
@@ -46,6 +59,10 @@ class FTConfig:
             raise ValueError(f"ft.backoff_s must be >= 0, got {self.backoff_s}")
         _positive("ft", "heartbeat_timeout_s", self.heartbeat_timeout_s)
         _positive("ft", "timeout_s", self.timeout_s)
+        if self.lighthouse not in LIGHTHOUSES:
+            raise ValueError(
+                f"ft.lighthouse must be one of {', '.join(LIGHTHOUSES)}, got {self.lighthouse!r}"
+            )
         if self.min_groups > self.replica_groups:
             raise ValueError(
                 f"ft.min_groups ({self.min_groups}) cannot exceed ft.replica_groups "

@@ -20,6 +20,7 @@ or ``torsh-dist train --nproc-per-node 4 --ft.replica-groups 2``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -30,7 +31,9 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from torsh_distributed.ft._lighthouse import Lighthouse
 from torsh_distributed.ft.config import FTConfig
 from torsh_distributed.ft.replica import append_event, read_events
 
@@ -41,6 +44,48 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _lighthouse(section: FTConfig) -> Any:
+    """The quorum service ``ft.lighthouse`` names, listening on 127.0.0.1."""
+    if section.lighthouse == "torchft":
+        from torchft._torchft import LighthouseServer
+
+        return LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=1,
+            join_timeout_ms=200,
+            heartbeat_timeout_ms=int(section.heartbeat_timeout_s * 1000),
+        )
+    return Lighthouse(
+        min_replicas=1, join_timeout_s=0.2, heartbeat_timeout_s=section.heartbeat_timeout_s
+    )
+
+
+_PHASES = (  # (event, what the time up to it went on), in the order a restarted group emits them
+    ("started", "back-off"),
+    ("setup", "start-up and imports"),
+    ("built", "model and group"),
+    ("attached", "torchft manager"),
+    ("joining", "first quorum call"),
+    ("healed", "quorum and live state"),
+)
+
+
+def _phases(events: list[dict[str, object]], group: _Group, died: float) -> str:
+    """Where a restarted group's rejoin went, from its event lines (seconds per phase)."""
+    times = {
+        e["event"]: e["time"]
+        for e in events
+        if e["group"] == group.index and e.get("incarnation") == group.incarnation
+    }
+    parts, last = [], died
+    for name, what in _PHASES:
+        if name in times:
+            at = float(times[name])  # type: ignore[arg-type]
+            parts.append(f"{what} {at - last:.1f} s")
+            last = at
+    return ", ".join(parts)
 
 
 @dataclass(slots=True)
@@ -79,7 +124,6 @@ def launch_groups(
     """
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at info
     from torch.distributed import TCPStore
-    from torchft._torchft import LighthouseServer
 
     groups_n = section.replica_groups
     if nproc % groups_n:
@@ -90,18 +134,23 @@ def launch_groups(
     size = nproc // groups_n
     base = dict(os.environ if env is None else env)
     base.setdefault("RUST_LOG", "warn")  # torchft's quorum logs a few lines per step at info
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0",
-        min_replicas=1,
-        join_timeout_ms=200,
-        heartbeat_timeout_ms=int(section.heartbeat_timeout_s * 1000),
-    )
+    lighthouse = _lighthouse(section)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     directory = tempfile.mkdtemp(prefix="torsh-ft-")
     groups = [_Group(g, list(range(g * size, (g + 1) * size))) for g in range(groups_n)]
 
+    spares: list[subprocess.Popen[bytes]] = []  # ft.spare_group: started, imported, waiting
+    attached: set[tuple[int, int]] = set()  # (group, incarnation) whose manager is up
+
+    def start_spares() -> None:
+        spare_argv = [argv[0], "-m", "torsh_distributed.ft._spare", *argv[1:]]
+        spares[:] = [
+            subprocess.Popen(spare_argv, env=base, stdin=subprocess.PIPE) for _ in range(size)
+        ]
+
     def start(group: _Group) -> None:
         port = _free_port()
+        use_spares = len(spares) == size and all(p.poll() is None for p in spares)
         group.procs = []
         for local, rank in enumerate(group.ranks):
             worker_env = {
@@ -122,7 +171,16 @@ def launch_groups(
                 "TORSH_FT_STORE": f"127.0.0.1:{store.port}",
                 "TORSH_FT_DIR": directory,
             }
-            group.procs.append(subprocess.Popen(list(argv), env=worker_env))
+            if use_spares:  # hand the waiting process its rank (see ft._spare)
+                proc = spares[local]
+                assert proc.stdin is not None
+                proc.stdin.write((json.dumps(worker_env) + "\n").encode())
+                proc.stdin.close()
+                group.procs.append(proc)
+            else:
+                group.procs.append(subprocess.Popen(list(argv), env=worker_env))
+        if use_spares:
+            spares.clear()
         append_event(
             directory,
             {
@@ -131,6 +189,7 @@ def launch_groups(
                 "time": time.time(),
                 "incarnation": group.incarnation,
                 "pids": [p.pid for p in group.procs],
+                "spare": use_spares,
             },
         )
 
@@ -153,6 +212,8 @@ def launch_groups(
             now = time.time()
             events = read_events(directory)
             for event in events[seen_events:]:
+                if event["event"] == "attached":
+                    attached.add((event["group"], event["incarnation"]))
                 if event["event"] == "healed":
                     group = groups[event["group"]]
                     if event["incarnation"] == group.incarnation:
@@ -168,9 +229,17 @@ def launch_groups(
                         say(
                             f"ft: group {group.index} rejoined at step {event['step']}, "
                             f"{event['time'] - died:.1f} s after its rank died (live state "
-                            "from a healthy group)"
+                            f"from a healthy group; {_phases(events, group, died)})"
                         )
             seen_events = len(events)
+            live = [g for g in groups if not (g.given_up or g.done)]
+            if (
+                section.spare_group
+                and not spares
+                and live
+                and all(g.healthy and (g.index, g.incarnation) in attached for g in live)
+            ):  # every group is up and none is healing: the spares' imports disturb no rejoin
+                start_spares()
             for group in groups:
                 if group.given_up or group.done:
                     continue
@@ -194,6 +263,8 @@ def launch_groups(
                 code = codes[bad]
                 assert code is not None
                 kill(group)
+                if isinstance(lighthouse, Lighthouse):
+                    lighthouse.forget(f"g{group.index}")  # its processes are gone: no waiting
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
                 rank = group.ranks[bad]
                 append_event(
@@ -253,6 +324,9 @@ def launch_groups(
     finally:
         for group in groups:
             kill(group)
+        for proc in spares:
+            proc.kill()
+            proc.wait()
         lighthouse.shutdown()
         shutil.rmtree(directory, ignore_errors=True)  # the event log: read by now
 
@@ -271,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backoff-s", type=float, default=_D.backoff_s)
     parser.add_argument("--min-groups", type=int, default=_D.min_groups)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=_D.heartbeat_timeout_s)
+    parser.add_argument("--lighthouse", choices=("launcher", "torchft"), default=_D.lighthouse)
+    parser.add_argument(
+        "--spare-group", type=lambda v: v.lower() in ("1", "true", "yes"), default=_D.spare_group
+    )
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -280,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         backoff_s=ns.backoff_s,
         min_groups=ns.min_groups,
         heartbeat_timeout_s=ns.heartbeat_timeout_s,
+        lighthouse=ns.lighthouse,
+        spare_group=ns.spare_group,
     )
     return launch_groups([sys.executable, ns.script, *ns.args], nproc=ns.nproc, section=section)
 

@@ -61,6 +61,10 @@ ENV = (
 )
 """What the replica-group launcher (:mod:`torsh_distributed.ft.launch`) gives every rank."""
 
+_REJOIN_PHASES = ("started", "setup", "built", "attached", "joining", "healed")
+"""A restarted group's event lines, in order: the launcher spawned it, its rank 0 imported the
+engine, built the model and group, started torchft's Manager, asked to join, healed."""
+
 
 class RunState(Protocol):
     """What :class:`ReplicaGroups` reads and restores of the engine's run."""
@@ -200,6 +204,22 @@ class ReplicaGroups:
         self.run: RunState | None = None
         self._transport: Any = None
         self._announced = False
+        self.timers = {"quorum": 0.0, "allreduce": 0.0, "commit": 0.0}  # seconds, all steps
+        self._event("setup")  # the process is up and has imported the engine
+
+    def _event(self, name: str, **extra: Any) -> None:
+        """One line of the job's event log from this group's rank 0 (rejoin phases)."""
+        if self.group_rank == 0:
+            append_event(
+                self.directory,
+                {
+                    "event": name,
+                    "group": self.group,
+                    "time": time.time(),
+                    "incarnation": self.incarnation,
+                    **extra,
+                },
+            )
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -213,6 +233,7 @@ class ReplicaGroups:
 
         from torsh_distributed.ft._transport import StoreTransport
 
+        self._event("built")  # model, optimizer and the group's own process group exist
         self.run = run
         timeout = timedelta(seconds=self.section.timeout_s)
         host, port = self.store_addr.rsplit(":", 1)
@@ -247,6 +268,7 @@ class ReplicaGroups:
             [f"ft/up/g{g}/r{r}" for g in range(self.num_groups) for r in range(self.group_size)],
             timedelta(seconds=max(self.section.timeout_s, 600.0)),  # a loaded host's start-up
         )
+        self._event("attached")  # torchft's Manager is up
 
     def close(self) -> None:
         if self.manager is not None:
@@ -269,34 +291,16 @@ class ReplicaGroups:
             elif fault.kind == "hold" and not fault.done:
                 self._hold(fault.group, fault.joins)
                 fault.done = True
-        if self.incarnation and not self._announced and self.group_rank == 0:
-            self._announced = (
-                True  # a restarted group asks to join (tests' hold faults wait for it)
-            )
-            append_event(
-                self.directory,
-                {
-                    "event": "joining",
-                    "group": self.group,
-                    "time": time.time(),
-                    "incarnation": self.incarnation,
-                },
-            )
+        if self.incarnation and not self._announced:
+            self._announced = True  # a restarted group asks to join (tests' hold faults wait)
+            self._event("joining")
+        started = time.perf_counter()
         self.manager.start_quorum()
+        self.timers["quorum"] += time.perf_counter() - started
         step = self.manager.current_step()
         if self.healed_at is None and step > done:  # healed from a live group
             self.healed_at = step
-            if self.group_rank == 0:
-                append_event(
-                    self.directory,
-                    {
-                        "event": "healed",
-                        "group": self.group,
-                        "step": step,
-                        "time": time.time(),
-                        "incarnation": self.incarnation,
-                    },
-                )
+            self._event("healed", step=step)
         return step
 
     def _hold(self, group: int, joins: int) -> None:
@@ -330,8 +334,13 @@ class ReplicaGroups:
         flat = torch.cat(
             [*(g.reshape(-1).float() for g in grads), loss.detach().reshape(1).float(), onehot]
         )
+        started = time.perf_counter()
         manager.allreduce(flat).wait()  # sum / participants (zeros from a healing group)
-        if not manager.should_commit():
+        voted = time.perf_counter()
+        commit = manager.should_commit()
+        self.timers["allreduce"] += voted - started
+        self.timers["commit"] += time.perf_counter() - voted
+        if not commit:
             self.redone += 1
             return None
         n = manager.num_participants()
@@ -431,6 +440,13 @@ class ReplicaGroups:
                 None,
             )
             gap = times[after] - times[after - 1] if after else None
+            phases = {  # seconds after the death: where a rejoin's time goes
+                e["event"]: round(e["time"] - died, 3)
+                for e in events
+                if e["group"] == group
+                and e.get("incarnation") == event["incarnation"] + 1
+                and e["event"] in _REJOIN_PHASES
+            }
             failures.append(
                 {
                     "rank": event["rank"],
@@ -439,8 +455,11 @@ class ReplicaGroups:
                     "restarted_ranks": event["restarted_ranks"],
                     "recovery_s": round(healed["time"] - died, 3) if healed else None,
                     "rejoined_step": healed["step"] if healed else None,
+                    "rejoin_phases_s": phases,
                     "healthy_stall_s": round(gap - typical, 3) if gap is not None else None,
                     "healthy_stall_steps": round(gap / typical - 1, 2) if gap and typical else None,
+                    # the launcher saw the death -> the healthy groups' next commit
+                    "commit_after_death_s": round(times[after] - died, 3) if after else None,
                     "steps_lost_healthy": 0,
                     "signal": event.get("signal"),
                 }
@@ -458,4 +477,5 @@ class ReplicaGroups:
             "redone_steps": self.redone,
             "median_step_s": round(typical, 4),
             "state_bytes_sent": self._transport.bytes_sent if self._transport else 0,
+            "time_s": {k: round(v, 3) for k, v in self.timers.items()},
         }

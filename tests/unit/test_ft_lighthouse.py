@@ -1,0 +1,84 @@
+"""The launcher's lighthouse (torsh_distributed.ft._lighthouse) against torchft's own Rust client:
+the quorum protocol, the split-brain hold of torchft's rules, and forget() releasing it at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]')")
+
+from torchft._torchft import LighthouseClient  # noqa: E402
+
+from torsh_distributed.ft._lighthouse import Lighthouse  # noqa: E402
+
+T = timedelta(seconds=10)
+
+
+def _quorum(client: LighthouseClient, rid: str, step: int, out: dict[str, object]) -> None:
+    out[rid] = client.quorum(
+        replica_id=rid,
+        timeout=T,
+        address=f"addr-{rid}",
+        store_address="s",
+        step=step,
+        world_size=2,
+        shrink_only=False,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_two_groups_then_forget_releases_the_survivor_at_once() -> None:
+    lighthouse = Lighthouse(heartbeat_timeout_s=30.0)
+    try:
+        client = LighthouseClient(lighthouse.address(), connect_timeout=T)
+        client.heartbeat("g0:a")
+        client.heartbeat("g1:b")  # both alive: the first to ask waits for the other
+        got: dict[str, object] = {}
+        threads = [
+            threading.Thread(target=_quorum, args=(client, rid, 3, got)) for rid in ("g0:a", "g1:b")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        first = got["g0:a"]
+        assert [p.replica_id for p in first.participants] == ["g0:a", "g1:b"]
+        assert [p.step for p in first.participants] == [3, 3]
+        assert first.participants[1].address == "addr-g1:b"
+
+        # g1 heartbeats but never joins: g0 alone is half of the living, held (split brain)
+        client.heartbeat("g1:b")
+        lone: dict[str, object] = {}
+        waiter = threading.Thread(target=_quorum, args=(client, "g0:a", 4, lone))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive(), "a lone half must wait"
+        started = time.monotonic()
+        lighthouse.forget("g1")  # the launcher saw group 1's processes die
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert time.monotonic() - started < 0.5
+        second = lone["g0:a"]
+        assert [p.replica_id for p in second.participants] == ["g0:a"]
+        assert second.quorum_id == first.quorum_id + 1
+    finally:
+        lighthouse.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_silent_group_leaves_after_the_heartbeat_timeout() -> None:
+    lighthouse = Lighthouse(heartbeat_timeout_s=0.5)
+    try:
+        client = LighthouseClient(lighthouse.address(), connect_timeout=T)
+        client.heartbeat("g1:b")
+        got: dict[str, object] = {}
+        started = time.monotonic()
+        _quorum(client, "g0:a", 0, got)
+        assert 0.3 < time.monotonic() - started < 5
+        assert [p.replica_id for p in got["g0:a"].participants] == ["g0:a"]
+    finally:
+        lighthouse.shutdown()

@@ -9,6 +9,10 @@ load drift hits both), the priority block ending with its last exchange drained.
 per round and schedule, the paired ratio per round, whether the losses are bit-identical, and
 the link bandwidth the priority exchange measured from its own all-reduces against the ``tc`` rate.
 
+``--zero-stage 2``: ``fifo`` is FSDP2 ZeRO-2 (``fully_shard(reshard_after_forward=False)``, one
+unit per block, then the root; the optimizer over the shards), ``priority`` the same wrapper with
+``zero_stage=2`` (reduce-scatter, shard step and all-gather per chunk, by priority).
+
 Needs root (ip netns, tc); uses benchmarks/netlab::
 
     .venv/bin/python benchmarks/bench_comm_schedule_netlab.py --rate 100 --rounds 3 --steps 8
@@ -63,14 +67,23 @@ def _worker(args: argparse.Namespace) -> None:
     runs: dict = {}
     base_of: dict = {}
     for schedule in ("fifo", "priority"):
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # the same initial weights on every rank (FSDP2 shards its own)
         base = GPT(mcfg)
-        opt = optimizer(base)
-        if schedule == "fifo":
+        if schedule == "fifo" and args.zero_stage == 2:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from torsh_distributed.parallel.sharded import apply_fsdp
+
+            units = list(base.blocks)[::-1]
+            model = apply_fsdp(base, init_device_mesh("cpu", (world,)), stage=2, units=units)
+            opt = optimizer(base)  # over the shards
+        elif schedule == "fifo":
+            opt = optimizer(base)
             model = apply_ddp(base, bucket_cap_mb=args.bucket_mb)
         else:
+            opt = optimizer(base)
             model = PriorityDataParallel(
-                base, group=side_group("priority_bench"),
+                base, group=side_group("priority_bench"), zero_stage=args.zero_stage,
                 partition_bytes=args.partition_kb * 1024, credit_bytes=args.credit_kb * 1024,
             )  # fmt: skip
             model.bind(opt, grad_clip=args.grad_clip)
@@ -109,9 +122,7 @@ def _worker(args: argparse.Namespace) -> None:
             runs[schedule]["rounds"].append(train(schedule, args.steps))
     prio = runs["priority"]["model"]
     summary = prio.summary()
-    nparams = sum(p.numel() for p in runs["fifo"]["opt"].param_groups[0]["params"]) + sum(
-        p.numel() for p in runs["fifo"]["opt"].param_groups[1]["params"]
-    )
+    nparams = sum(p.numel() for p in base_of["priority"].parameters())
     out = {
         "params": nparams,
         "fifo": runs["fifo"]["rounds"],
@@ -144,6 +155,10 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket (fifo)")
+    parser.add_argument(
+        "--zero-stage", type=int, default=0, choices=(0, 2),
+        help="2: fifo = FSDP2 ZeRO-2, priority = zero_stage=2 (reduce-scatter / all-gather)",
+    )  # fmt: skip
     parser.add_argument("--partition-kb", type=int, default=0, help="priority; 0 = auto")
     parser.add_argument("--credit-kb", type=int, default=0, help="priority; 0 = auto")
     parser.add_argument(
@@ -168,7 +183,7 @@ def main() -> int:
         return 0
     names = (
         "rounds steps warmup d_model n_layer n_head block_size batch_size lr bucket_mb "
-        "partition_kb credit_kb grad_clip threads"
+        "partition_kb credit_kb grad_clip threads zero_stage"
     ).split()
     forward = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names]
     out = Path(tempfile.mkdtemp(prefix="torsh-sched-")) / "out.json"
@@ -203,7 +218,9 @@ def main() -> int:
         f"{args.block_size} tokens, {args.steps} steps per round, {os.cpu_count()} CPU cores, "
         f"{args.threads} torch thread/rank, grad clip {args.grad_clip:g}, load {' '.join(load_before)} -> {' '.join(load_after)}\n"
     )
-    print("| round | fifo (DDP) s/step | priority s/step | speed-up |")
+    fifo_name = "FSDP2 ZeRO-2" if args.zero_stage == 2 else "DDP"
+    print(f"zero stage {args.zero_stage}")
+    print(f"| round | fifo ({fifo_name}) s/step | priority s/step | speed-up |")
     print("|---|---:|---:|---:|")
     ratios = []
     for r, (f, p) in enumerate(zip(res["fifo"], res["priority"], strict=True)):

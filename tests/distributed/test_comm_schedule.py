@@ -155,3 +155,89 @@ def test_engine_priority_equals_fifo(tmp_path) -> None:
     assert sorted(p.name for p in (tmp_path / "priority").iterdir()) == sorted(
         p.name for p in (tmp_path / "fifo").iterdir()
     )
+
+
+def _train_zero2(schedule: str, partition: int, steps: int) -> dict:
+    """ZeRO-2: FSDP2 (``fifo``: units blocks[0], blocks[2], then the root with the tied
+    embedding) against the priority exchange's reduce-scatter / shard step / all-gather."""
+    from torsh_distributed.comm.dims import side_group
+    from torsh_distributed.parallel.priority import PriorityDataParallel
+    from torsh_distributed.parallel.sharded import apply_fsdp
+
+    torch.manual_seed(0)  # FSDP2 shards each rank's own initial weights: the same seed
+    net = _Net()
+    if schedule == "fifo":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,))
+        model = apply_fsdp(net, mesh, stage=2, units=[net.blocks[0], net.blocks[2]])
+    else:
+        model = PriorityDataParallel(
+            net,
+            group=side_group("priority_zero_test"),
+            partition_bytes=partition,
+            credit_bytes=2 * partition,
+            zero_stage=2,
+        )
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    rest = [p for p in net.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, foreach=True)
+    if schedule == "priority":
+        model.bind(opt)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * 0.97
+        x, y = _batch(step, dist.get_rank())
+        if schedule == "fifo":
+            opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        if schedule == "fifo":
+            opt.step()
+        else:
+            model.submit()
+        losses.append(loss.item())
+    if schedule == "priority":
+        model.wait()
+        summary = model.summary()
+        model.close()
+        state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    else:
+        summary = {}
+        state = {k: v.full_tensor().clone() for k, v in net.state_dict().items()}
+    return {"losses": losses, "state": state, "summary": summary}
+
+
+@pytest.mark.timeout(120)
+def test_priority_zero2_equals_fsdp2_bitwise() -> None:
+    """``zero_stage=2`` (reduce-scatter, shard step, all-gather per chunk, by priority) gives
+    FSDP2's ZeRO-2 (``reshard_after_forward=False``) losses and parameters bit for bit."""
+    steps = 6
+    fifo = run_distributed(_train_zero2, 2, args=("fifo", 300, steps), timeout=100)
+    prio = run_distributed(_train_zero2, 2, args=("priority", 300, steps), timeout=100)
+    assert prio[0]["summary"]["chunks"] > 3 and prio[0]["summary"]["zero_stage"] == 2
+    for rank in range(2):
+        assert prio[rank]["losses"] == fifo[rank]["losses"], f"rank {rank}: losses differ"
+        for name, value in fifo[rank]["state"].items():
+            assert torch.equal(prio[rank]["state"][name], value), f"rank {rank}: {name} differs"
+
+
+def _refuse_clip() -> str:
+    from torsh_distributed.comm.dims import side_group
+    from torsh_distributed.parallel.priority import PriorityDataParallel
+
+    model = PriorityDataParallel(_Net(), group=side_group("refuse"), zero_stage=2)
+    try:
+        model.bind(torch.optim.SGD(model.parameters(), lr=0.1), grad_clip=1.0)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        model.close()
+    return ""
+
+
+@pytest.mark.timeout(60)
+def test_priority_zero2_refuses_clipping() -> None:
+    assert "cannot clip gradients" in run_distributed(_refuse_clip, 2, timeout=50)[0]

@@ -109,7 +109,13 @@ def test_config_refuses_bad_schedule_settings() -> None:
     from torsh_distributed.engine.config import EngineConfig
     from torsh_distributed.parallel.config import ParallelConfig
 
-    with pytest.raises(ValueError, match="cannot run with --zero-stage 2"):
+    with pytest.raises(
+        ValueError, match=r"--zero-stage 2 is not in the trainer yet: .*zero_stage=2"
+    ):
         EngineConfig(
             comm=CommConfig(exchange_schedule="priority"), parallel=ParallelConfig(zero_stage=2)
+        )
+    with pytest.raises(ValueError, match="cannot run with --zero-stage 3"):
+        EngineConfig(
+            comm=CommConfig(exchange_schedule="priority"), parallel=ParallelConfig(zero_stage=3)
         )

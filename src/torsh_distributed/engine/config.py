@@ -297,6 +297,14 @@ def _check_schedule(cfg: EngineConfig) -> None:
     if cfg.comm.exchange_schedule != "priority":
         return
     par = cfg.parallel
+    if par.zero_stage == 2:
+        raise ValueError(
+            "--comm-schedule priority with --zero-stage 2 is not in the trainer yet: use the "
+            "library's PriorityDataParallel(zero_stage=2) (reduce-scatter, shard step and "
+            "all-gather per chunk by priority; docs/communication.md). The trainer would draw "
+            "FSDP2's per-shard initial weights and checkpoint an optimizer whose state lives in "
+            "the wrapper's shards; use --comm-schedule fifo with --zero-stage 2"
+        )
     clashes = [
         (par.zero_stage != 0, f"--zero-stage {par.zero_stage}"),
         (par.tp > 1, f"--tp {par.tp}"),

@@ -63,7 +63,8 @@ class TrainResult:
     moe: dict = field(default_factory=dict)
     """MoE layers: tokens per expert over the run (all ranks), dropped share, load CV; {} without."""
     comm: dict = field(default_factory=dict)
-    """``--comm-schedule priority``: ``schedule``, ``partition_kb``, ``credit_kb``, ``chunks``,
+    """``--comm-schedule priority``: ``schedule``, ``zero_stage`` (0 in the trainer),
+    ``partition_kb``, ``credit_kb``, ``chunks``,
     ``bandwidth`` (the link measured from the exchange's own all-reduces: ``bandwidth_mbit``,
     ``latency_ms``, ``samples``, ``sizes``) and the ``auto`` ``decisions``; {} with ``fifo``."""
     energy: dict = field(default_factory=dict)

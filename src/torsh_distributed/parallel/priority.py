@@ -25,6 +25,10 @@ every rank takes the same ones. Sums and the optimizer arithmetic are DDP's (gra
 bit-identical to DDP (``tests/distributed/test_comm_schedule.py``); on more, gloo's ring
 sums a chunk in an order that depends on its boundaries (equal within rounding).
 
+``zero_stage=2`` (:mod:`._priority_zero`) does the same for ZeRO-2: each chunk is
+reduce-scattered, this rank's shard stepped, and the updated chunk all-gathered at the same
+priority (bit-identical to FSDP2's ``fully_shard(reshard_after_forward=False)`` on 2 ranks).
+
 Limits: with gradient clipping every update needs the global norm, so updates wait for the
 whole exchange (the order still helps, the overlap with the next forward is lost); a module
 whose forward reads another module's parameter directly is only safe when autograd saved it
@@ -99,6 +103,11 @@ class PriorityDataParallel(nn.Module):
             bandwidth-delay product). Smaller: a high-priority chunk overtakes sooner; larger:
             a long-latency link stays busy.
         init_sync: Broadcast rank 0's parameters and buffers (as DDP does at wrap time).
+        zero_stage: 0 = all-reduce chunks, every rank steps every parameter (DDP); 2 =
+            reduce-scatter chunks, each rank steps its shard (optimizer state for 1/world of
+            the model), then all-gather the updated chunk at the same priority
+            (:mod:`._priority_zero`; no gradient clipping; ``partition_bytes`` stays fixed,
+            1 MiB when 0).
         log: Where rank 0 reports the ``auto`` decision (``print`` by default).
     """
 
@@ -110,6 +119,7 @@ class PriorityDataParallel(nn.Module):
         partition_bytes: int = 0,
         credit_bytes: int = 0,
         init_sync: bool = True,
+        zero_stage: int = 0,
         log: Callable[[str], None] = print,
     ) -> None:
         super().__init__()
@@ -124,9 +134,19 @@ class PriorityDataParallel(nn.Module):
             )
         if partition_bytes < 0 or credit_bytes < 0:
             raise ValueError("partition_bytes and credit_bytes must be >= 0 (0 = auto)")
-        self._x = _Exchange(
+        if zero_stage not in (0, 2):
+            raise ValueError(
+                f"PriorityDataParallel implements zero_stage 0 and 2, got {zero_stage}"
+            )
+        exchange: type[_Exchange] = _Exchange
+        if zero_stage == 2:  # imported here: it subclasses _Exchange
+            from torsh_distributed.parallel._priority_zero import ShardedExchange
+
+            exchange = ShardedExchange
+        self._x = exchange(
             params, group=group, partition_bytes=partition_bytes, credit_bytes=credit_bytes, log=log
         )
+        self.zero_stage = zero_stage
         if init_sync:
             with torch.no_grad():
                 for tensor in [*module.parameters(), *module.buffers()]:
@@ -342,6 +362,7 @@ class _Exchange:
         link = self.link
         return {
             "schedule": "priority",
+            "zero_stage": 0,
             "partition_kb": self.partition // 1024,
             "credit_kb": self.credit // 1024,
             "chunks": len(self.layout),
@@ -514,7 +535,9 @@ class _Exchange:
         if choice[0] <= 0:
             self.decisions.append("auto: no link estimate after 3 steps; kept the defaults")
         else:
-            self.partition, self.credit = int(choice[0]), max(int(choice[1]), int(choice[0]))
+            self.partition = int(choice[0])  # a fixed partition may not be the one the fit chose
+            floor = 2 * self.partition if self.auto[1] else self.partition
+            self.credit = max(int(choice[1]), floor)
             self.layout = self._layout()
             self.decisions.append(
                 f"auto: link {link.bandwidth_mbit:.1f} Mbit/s, latency {link.alpha_s * 1e3:.2f} ms "

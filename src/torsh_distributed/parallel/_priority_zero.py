@@ -44,8 +44,9 @@ from torsh_distributed.parallel.priority import _Exchange, _Op, _Step
 __all__ = ["ShardedExchange"]
 
 DEFAULT_PARTITION = 1 << 20
-"""``partition_bytes=0``: 1 MiB (0.95x FSDP2 with 512 KiB, 1.35-1.44x with 1 MiB at 100 Mbit;
-docs/benchmarks.md); not re-chosen from the link, the shards hang on it."""
+"""``partition_bytes=0``: 1 MiB, half the chunks of 512 KiB (each costs two messages and an
+optimizer call in a Python thread); the measured difference is within the loaded VM's noise
+(docs/benchmarks.md). Not re-chosen from the link: the shards hang on it."""
 RS, AG, ASK = 0, 1, 2  # message kinds: reduce-scatter, all-gather, bitmap only
 _now = time.perf_counter
 

@@ -241,3 +241,35 @@ def _refuse_clip() -> str:
 @pytest.mark.timeout(60)
 def test_priority_zero2_refuses_clipping() -> None:
     assert "cannot clip gradients" in run_distributed(_refuse_clip, 2, timeout=50)[0]
+
+
+def _engine_zero2(schedule: str) -> list[float]:
+    from torsh_distributed.train import TrainConfig, train
+
+    cfg = TrainConfig.from_dict(
+        {
+            "max_steps": 6,
+            "batch_size": 8,
+            "grad_accum": 2,  # FSDP2's set_requires_gradient_sync(False) vs local accumulation
+            "progress": False,
+            "eval_batches": 2,
+            "data": {"max_bytes": 200_000},
+            "model": {"block_size": 32, "n_layer": 2, "n_head": 2, "d_model": 64},
+            "optim": {"grad_clip": 0.0},
+            "parallel": {"zero_stage": 2},
+            "comm": {"exchange_schedule": schedule}
+            | ({"partition_kb": 16, "credit_kb": 32} if schedule == "priority" else {}),
+        }
+    )
+    result = train(cfg)
+    return [*result.losses, result.val_loss], result.comm
+
+
+@pytest.mark.timeout(180)
+def test_engine_priority_zero2_equals_fsdp2() -> None:
+    """The trainer's --comm-schedule priority --zero-stage 2 (the exchange shards by itself, no
+    FSDP2) gives FSDP2 ZeRO-2's losses bit for bit, with gradient accumulation."""
+    fifo = run_distributed(_engine_zero2, 2, args=("fifo",), timeout=150)[0]
+    prio = run_distributed(_engine_zero2, 2, args=("priority",), timeout=150)[0]
+    assert prio[0] == fifo[0]
+    assert prio[1]["zero_stage"] == 2 and prio[1]["chunks"] > 4 and fifo[1] == {}

@@ -106,14 +106,18 @@ def test_config_refuses_bad_schedule_settings() -> None:
         CommConfig(partition_kb=64)
     with pytest.raises(ValueError, match="credit_kb .* must be >= comm.partition_kb"):
         CommConfig(exchange_schedule="priority", partition_kb=512, credit_kb=256)
-    from torsh_distributed.engine.config import EngineConfig
+    from torsh_distributed.engine.config import EngineConfig, OptimConfig
     from torsh_distributed.parallel.config import ParallelConfig
 
-    with pytest.raises(
-        ValueError, match=r"--zero-stage 2 is not in the trainer yet: .*zero_stage=2"
-    ):
+    with pytest.raises(ValueError, match=r"--zero-stage 2 .* cannot run with --grad-clip 1.0"):
         EngineConfig(
             comm=CommConfig(exchange_schedule="priority"), parallel=ParallelConfig(zero_stage=2)
+        )
+    with pytest.raises(ValueError, match=r"--zero-stage 2 .* cannot run with --meta-init"):
+        EngineConfig(
+            comm=CommConfig(exchange_schedule="priority"),
+            parallel=ParallelConfig(zero_stage=2, meta_init=True),
+            optim=OptimConfig(grad_clip=0.0),
         )
     with pytest.raises(ValueError, match="cannot run with --zero-stage 3"):
         EngineConfig(

@@ -32,11 +32,13 @@ class CommConfig:
     backward produces them; the optimizer steps after all of them) or ``priority`` (gradients
     cut into ``partition_kb`` chunks, sent first-layer-first with ``credit_kb`` in flight; each
     chunk's parameters are updated when it arrives and the next forward waits per module only
-    for its own parameters). Bit-identical results; plain DDP only (``--zero-stage 0``, no
-    tp/pp/ep, compression or 1-bit optimizer)."""
+    for its own parameters). Bit-identical results; plain DDP or ZeRO-2 (``--zero-stage 0|2``; at 2
+    each chunk is reduce-scattered, the shard stepped and the chunk all-gathered, with no grad
+    clipping or checkpoints); no tp/pp/ep, compression or 1-bit optimizer."""
     partition_kb: int = 0
     """``priority``: chunk size in KiB (tensors are cut and merged into chunks of this size);
-    0 = auto: 512 KiB, then chosen from the measured link after 3 steps (logged)."""
+    0 = auto: 512 KiB, then chosen from the measured link after 3 steps (logged); ZeRO-2: 1 MiB,
+    kept."""
     credit_kb: int = 0
     """``priority``: KiB of chunks in flight at once (smaller lets a first-layer chunk overtake
     sooner, larger keeps a high-latency link busy); 0 = auto: two partitions, then at least the

@@ -32,8 +32,8 @@ METRICS = ("comm_bandwidth_mbit", "comm_latency_ms")
 
 
 def priority_wrap(model: nn.Module, config: EngineConfig) -> PriorityDataParallel:
-    """``model`` (plain data parallelism, dp > 1) in a :class:`PriorityDataParallel` over a
-    group of its own (its thread's collectives must not interleave with the loop's)."""
+    """``model`` (plain data parallelism or ZeRO-2, dp > 1) in a :class:`PriorityDataParallel`
+    over a group of its own (its thread's collectives must not interleave with the loop's)."""
     main = world.rank() == 0
     if config.optim.grad_clip and main:
         warnings.warn(
@@ -47,6 +47,7 @@ def priority_wrap(model: nn.Module, config: EngineConfig) -> PriorityDataParalle
         group=side_group("priority_dp"),
         partition_bytes=config.comm.partition_kb * 1024,
         credit_bytes=config.comm.credit_kb * 1024,
+        zero_stage=config.parallel.zero_stage,
         log=print if main else (lambda _: None),
     )
 

@@ -297,16 +297,22 @@ def _check_schedule(cfg: EngineConfig) -> None:
     if cfg.comm.exchange_schedule != "priority":
         return
     par = cfg.parallel
-    if par.zero_stage == 2:
-        raise ValueError(
-            "--comm-schedule priority with --zero-stage 2 is not in the trainer yet: use the "
-            "library's PriorityDataParallel(zero_stage=2) (reduce-scatter, shard step and "
-            "all-gather per chunk by priority; docs/communication.md). The trainer would draw "
-            "FSDP2's per-shard initial weights and checkpoint an optimizer whose state lives in "
-            "the wrapper's shards; use --comm-schedule fifo with --zero-stage 2"
-        )
+    if par.zero_stage == 2:  # the exchange shards by itself (parallel._priority_zero)
+        zero2 = [
+            (cfg.optim.grad_clip > 0, f"--grad-clip {cfg.optim.grad_clip} (use --grad-clip 0)"),
+            (bool(cfg.checkpoint.dir), "--checkpoint-dir (its optimizer state lives in shards)"),
+            (par.param_dtype != "fp32", f"--param-dtype {par.param_dtype}"),
+            (par.offload != "none", f"--offload {par.offload}"),
+            (par.meta_init, "--meta-init (FSDP2 draws per-shard weights)"),
+        ]
+        for clash, flag in zero2:
+            if clash:
+                raise ValueError(
+                    f"--comm-schedule priority with --zero-stage 2 shards the exchange itself; "
+                    f"it cannot run with {flag} (use --comm-schedule fifo)"
+                )
     clashes = [
-        (par.zero_stage != 0, f"--zero-stage {par.zero_stage}"),
+        (par.zero_stage not in (0, 2), f"--zero-stage {par.zero_stage}"),
         (par.tp > 1, f"--tp {par.tp}"),
         (par.pp > 1, f"--pp {par.pp}"),
         (par.ep > 1, f"--ep {par.ep}"),
@@ -318,9 +324,9 @@ def _check_schedule(cfg: EngineConfig) -> None:
     for clash, flag in clashes:
         if clash:
             raise ValueError(
-                f"--comm-schedule priority schedules plain data parallelism's all-reduce "
-                f"(--zero-stage 0, no tp/pp/ep, compression, 1-bit optimizer, comm algorithm or "
-                f"fp16); it cannot run with {flag} (use --comm-schedule fifo)"
+                f"--comm-schedule priority schedules plain data parallelism's exchange "
+                f"(--zero-stage 0 or 2, no tp/pp/ep, compression, 1-bit optimizer, comm algorithm "
+                f"or fp16); it cannot run with {flag} (use --comm-schedule fifo)"
             )
 
 

@@ -114,8 +114,9 @@ def parallelize(
         blocks: Qualified name of the container of repeated blocks (checkpointing and FSDP
             units); ``None`` = found by :func:`~.blocks.find_blocks`.
         device: The mesh's device (default: the first parameter's).
-        ddp: ``False`` leaves plain data parallelism unwrapped: the caller exchanges the
-            gradients itself (``--comm-schedule priority``: :mod:`~.priority`).
+        ddp: ``False`` leaves plain data parallelism unwrapped, also at ZeRO stage 2 (no
+            FSDP2): the caller exchanges the gradients itself (``--comm-schedule priority``:
+            :mod:`~.priority`, which shards stage 2 by itself).
 
     Returns:
         The module to call for forward: a DDP wrapper for plain data parallelism at stages 0-1
@@ -147,8 +148,8 @@ def parallelize(
         _, container = find_blocks(model, blocks)
         for _, block in block_entries(container):
             block.compile()
-    # 5. data parallelism
-    if config.zero_stage >= 2:
+    # 5. data parallelism (ddp=False at stage 2: the priority exchange shards by itself)
+    if config.zero_stage >= 2 and (ddp or config.zero_stage > 2):
         # ep > 1: dense parameters sharded over the dp x ep ranks; the experts stay out of FSDP
         # (sharded over ep, replicated over dp, their gradients reduced by reduce_expert_grads)
         return apply_fsdp(

@@ -247,9 +247,9 @@ def _union(hosts: list[Path], step: int, into: Path) -> Path:
 @pytest.mark.timeout(400)
 def test_the_engine_resumes_from_peers_as_from_a_shared_directory(tmp_path) -> None:
     """Host 2 replaced after step 4: the run resumed from the peers' copies equals, bit for bit,
-    the run resumed from the same checkpoint in one shared directory (today's path), and both
-    continue the uninterrupted run (1e-5: at 3 ranks a resumed run differs from an uninterrupted
-    one in the last bits even from a shared directory, measured in docs/fault-tolerance.md)."""
+    the run resumed from the same checkpoint in one shared directory (today's path) and the
+    uninterrupted run (at 3 ranks this needs DDP re-bucketed before the first resumed step:
+    docs/fault-tolerance.md)."""
     from torsh_distributed.models.gpt import GPT
     from torsh_distributed.train import TrainConfig, preset
 
@@ -275,11 +275,10 @@ def test_the_engine_resumes_from_peers_as_from_a_shared_directory(tmp_path) -> N
     shared_cfg = json.loads(json.dumps(config))
     shared_cfg["checkpoint"].update(dir=str(tmp_path / "shared"), peer_replicas=0)
     shared = run_distributed(_plain_engine, 3, args=(shared_cfg,), env=HOSTS, timeout=300)[0]
-    assert resumed == shared  # every step's loss, bit for bit
-    assert resumed[:4] == straight[:4]  # the history carried over
-    assert resumed == pytest.approx(straight, rel=1e-5)
+    assert resumed == shared == straight  # every step's loss, bit for bit
     models = {}
-    for run, parts in (("b", [tmp_path / "b" / f"host{h}" for h in range(3)]), ("s", None)):
+    for run in ("a", "b", "s"):
+        parts = [tmp_path / run / f"host{h}" for h in range(3)] if run != "s" else None
         model = GPT(TrainConfig.from_dict(config).model)
         full = (
             _union(parts, 12, tmp_path / f"full_{run}")
@@ -288,8 +287,9 @@ def test_the_engine_resumes_from_peers_as_from_a_shared_directory(tmp_path) -> N
         )
         assert CheckpointManager(tmp_path / "unused").load(model=model, path=full)
         models[run] = model.state_dict()
-    for name, value in models["s"].items():
+    for name, value in models["a"].items():
         assert torch.equal(models["b"][name], value), name
+        assert torch.equal(models["s"][name], value), name
 
 
 def _plain_engine(config: dict) -> list[float]:

@@ -406,10 +406,16 @@ def prime_buckets(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> bool
     """Make DDP re-bucket now, so training never changes the bucket layout (collective).
 
     DDP re-buckets once, before the second forward, in the order gradients became ready in the
-    first backward. Compressor state is per bucket, so a run whose first step used the initial
-    layout and a resumed run would disagree. This runs one forward/backward of ``loss_fn`` (use
-    a tiny batch) with the compression hook passing gradients through untouched, then clears the
-    gradients; random-number state is left as it was. Every rank must call it.
+    first backward. Two things depend on the layout: compressor state (per bucket), and the
+    order in which each gradient element is summed across ranks (a ring all-reduce starts each
+    element's sum on the rank that owns its chunk of the bucket; at 3 ranks or more
+    ``(a + b) + c`` and ``(b + c) + a`` differ in the last bits). So a run resumed at step ``k``
+    whose step ``k + 1`` used the initial layout would continue the uninterrupted run (which
+    re-bucketed after its step 1) only approximately. This runs one forward/backward of
+    ``loss_fn`` with the compression hook passing gradients through untouched, then clears the
+    gradients; random-number state is left as it was (buffers and other forward side effects
+    are the caller's). Every rank must call it. ``loss_fn`` must build the graph of a training
+    step (the same losses): the layout follows the order in which its gradients become ready.
 
     Args:
         model: The DDP model.
@@ -417,11 +423,13 @@ def prime_buckets(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> bool
 
     Returns:
         Whether a backward was run (``False`` when DDP does not re-bucket: buckets already
-        rebuilt, ``find_unused_parameters``, or a model that is not DDP).
+        rebuilt, ``find_unused_parameters`` without ``static_graph``, or a model that is not DDP).
     """
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         return False
-    if getattr(model, "_has_rebuilt_buckets", True) or model.find_unused_parameters:
+    if getattr(model, "_has_rebuilt_buckets", True):
+        return False
+    if model.find_unused_parameters and not model.static_graph:  # DDP never re-buckets then
         return False
     hook = find_compression(model)
     device = next(model.parameters()).device

@@ -2,10 +2,11 @@
 
 ``GradCompression(section, zero_stage=..., algorithm=..., seed=...)`` validates the combination
 (any method on DDP's exchange at ZeRO stage 0; at stages 2-3 ``int8`` only, as block-quantised
-FSDP2 all-gather and reduce-scatter, ZeRO++'s qwZ/qgZ, installed by ``attach``). ``attach(model, base, prime=...)`` registers the
-compression hook on a DDP model and makes DDP re-bucket before the first step
-(:func:`prime_buckets`: one forward/backward on a sample, so compressor state never meets a
-second bucket layout, in a run or after a resume). Without DDP (tensor parallelism, pipeline
+FSDP2 all-gather and reduce-scatter, ZeRO++'s qwZ/qgZ, installed by ``attach``).
+``attach(model, base)`` registers the compression hook on a DDP model; the engine then makes
+DDP re-bucket before the first step (:func:`~torsh_distributed.compression.hooks.prime_buckets`,
+its forward not counted: :meth:`GradCompression.uncounted`), so compressor state never meets a
+second bucket layout, in a run or after a resume. Without DDP (tensor parallelism, pipeline
 stages) ``attach_flat(group)`` builds the same hook state for the engine's one flat
 data-parallel exchange of the local gradient shards, which ``reduce_flat`` runs (accounting,
 warm-up, error state, checkpoints and the summary as with DDP). ``observe_loss`` feeds ``auto``
@@ -17,9 +18,10 @@ summable payloads through the facade with that algorithm.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ from torch import nn
 from torsh_distributed.compression.base import Compressor
 from torsh_distributed.compression.build import build_compressor
 from torsh_distributed.compression.config import CompressionConfig
-from torsh_distributed.compression.hooks import CompressionHook, prime_buckets, register_compression
+from torsh_distributed.compression.hooks import CompressionHook, register_compression
 from torsh_distributed.compression.spec import parse_spec
 from torsh_distributed.engine._comm import world_or_group
 from torsh_distributed.engine._plan import _ZERO_MP, check_compression
@@ -75,15 +77,11 @@ class GradCompression:
         self._dense_bytes = 0
         self._dense_steps = 0
         self._handles: list[Any] = []
+        self._counting = True
 
-    def attach(
-        self, model: nn.Module, base: nn.Module, *, prime: Callable[[], torch.Tensor]
-    ) -> None:
-        """Register the compression hook on ``model`` (the DDP wrapper of ``base``).
-
-        Args:
-            prime: A forward returning a loss on a small sample, for :func:`prime_buckets`.
-        """
+    def attach(self, model: nn.Module, base: nn.Module) -> None:
+        """Register the compression hook on ``model`` (the DDP wrapper of ``base``); the caller
+        then primes DDP's buckets when :attr:`hook` is set (its state is per bucket)."""
         if not self.section.enabled:
             if isinstance(model, nn.parallel.DistributedDataParallel):
                 self._count_dense_steps(model, base)
@@ -105,7 +103,6 @@ class GradCompression:
             warmup_steps=self.section.warmup_steps,
             allreduce_fn=_facade_sum(self.algorithm, model.process_group),
         )
-        prime_buckets(model, prime)
 
     def attach_flat(
         self, group: dist.ProcessGroup | None, *, positions: dict[int, int] | None = None
@@ -172,13 +169,23 @@ class GradCompression:
             # one exchange per step: forwards under no_sync (--grad-accum) send nothing
             ddp = wrapper()
             if (
-                module.training
+                self._counting
+                and module.training
                 and torch.is_grad_enabled()
                 and getattr(ddp, "require_backward_grad_sync", True)
             ):
                 self._dense_steps += 1
 
         self._handles.append(base.register_forward_hook(_count))
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Forwards inside are not training steps (DDP's bucket priming): not counted."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
 
     def close(self) -> None:
         """Remove the hooks this object put on the user's model (idempotent)."""

@@ -19,11 +19,14 @@
   ``parallel.ep_rebalance_every`` the :class:`~torsh_distributed.parallel.rebalance.ExpertRebalancer`
   moves experts between ep ranks when their load stays skewed.
 * :meth:`MoEHooks.summary`: the ``moe`` block of the run summary, over all ranks and steps.
+* :meth:`MoEHooks.untracked`: forwards inside leave the layers' load counts as they were (a
+  probe such as DDP's bucket priming, not a step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -104,6 +107,22 @@ class MoEHooks:
         if not self.on or not torch.is_grad_enabled():
             return loss
         return loss + moe_losses(self.model).to(loss.device)
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Forwards inside are not steps: every layer's load counts (the bias balancing's load,
+        the statistics' totals) are put back as they were after them."""
+        # the layers add to their counts in place, so keep copies
+        saved = [
+            tuple(None if t is None else t.clone() for t in (layer._load, layer._totals))
+            for layer in self.layers
+        ]
+        last = [layer._last for layer in self.layers]
+        try:
+            yield
+        finally:
+            for layer, (load, totals), seen in zip(self.layers, saved, last, strict=True):
+                layer._load, layer._totals, layer._last = load, totals, seen
 
     def wrap(
         self, loss_fn: Callable[[Any, Any], torch.Tensor]

@@ -277,19 +277,28 @@ class Run:
                 },
             )
             return
-        # prime DDP's buckets on this rank's first batch; leave buffers as they were
-        engine, forward = self.engine, built.forward
+        forward = built.forward
         assert forward is not None
         if isinstance(self.optimizer, onebit.OneBitOptimizer):  # its exchange replaces DDP's
             if isinstance(forward, nn.parallel.DistributedDataParallel):
                 onebit.replace_ddp_allreduce(forward, self.optimizer)
             return
-        x0, y0 = self._batch(engine.dataset, engine.train_sampler, 0)
-        saved = [b.detach().clone() for b in built.holder.buffers()]
-        compression.attach(forward, built.holder, prime=lambda: self.loss_fn(forward(x0), y0))
-        with torch.no_grad():
-            for b, v in zip(built.holder.buffers(), saved, strict=True):
-                b.copy_(v)
+        compression.attach(forward, built.holder)
+        if compression.hook is not None:  # its state is per bucket: one layout from step 1
+            self._prime(0)
+
+    def _prime(self, step: int) -> None:
+        """DDP's final buckets now (S.prime_ddp), on this rank's batch of ``step``."""
+        forward, moe = self.built.forward, self.moe
+        if not isinstance(forward, nn.parallel.DistributedDataParallel):
+            return
+        x, y = self._batch(self.engine.dataset, self.engine.train_sampler, step)
+
+        def loss() -> torch.Tensor:  # a training step's graph: the same gradient-ready order
+            return moe.add_losses(self.loss_fn(forward(x), y))
+
+        with moe.untracked(), self.compression.uncounted(), S.loss_context(self.plan):
+            S.prime_ddp(forward, self.built.holder, loss)
 
     def _resume(self) -> None:
         cfg, engine, dims = self.cfg, self.engine, self.dims
@@ -317,6 +326,8 @@ class Run:
         )
         self._stack.callback(self.ckpt.close)
         self.start_step, self.losses = self.ckpt.resume()
+        if self.start_step and not isinstance(self.optimizer, onebit.OneBitOptimizer):
+            self._prime(self.start_step)  # sum as the uninterrupted run (no-op if primed)
 
     def _announce(self) -> None:
         if self.runtime.is_main:

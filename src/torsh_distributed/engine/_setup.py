@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torsh_distributed.compression.hooks import prime_buckets
 from torsh_distributed.engine._plan import RunPlan, plan_run
 from torsh_distributed.engine._schedule import priority_wrap
 from torsh_distributed.engine.config import EngineConfig
@@ -35,7 +36,9 @@ from torsh_distributed.parallel.tp_plan import resolve_tp_plan
 if TYPE_CHECKING:
     from torsh_distributed.parallel._pipeline_runner import PipelineRunner
 
-__all__ = ["RunPlan", "BuiltModel", "Prefetch", "plan_run", "build_model", "param_order"]
+__all__ = [
+    "RunPlan", "BuiltModel", "Prefetch", "plan_run", "build_model", "param_order", "prime_ddp"
+]
 
 ModelSource = nn.Module | Callable[[], nn.Module]
 
@@ -224,6 +227,26 @@ def loss_context(run: RunPlan) -> contextlib.AbstractContextManager[Any]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
+
+
+def prime_ddp(forward: nn.Module, holder: nn.Module, loss: Callable[[], torch.Tensor]) -> bool:
+    """DDP re-buckets now, not after the first step (collective; whether it ran).
+
+    :func:`~torsh_distributed.compression.hooks.prime_buckets` on ``loss`` (one forward and
+    backward of a training step's graph: its gradients dropped, random-number state kept);
+    ``holder``'s buffers are put back as they were (the caller keeps other forward side effects
+    out: MoE load counts, the dense-step count). The engine primes where the layout matters from
+    the first step: with compression (state per bucket), and on resume, so that step ``k + 1``
+    sums each gradient element across ranks in the order the uninterrupted run did (it
+    re-bucketed after its step 1; at 3 ranks or more the order changes the last bits). Cost:
+    one forward/backward and one all-reduce of the gradients, once per start.
+    """
+    saved = [b.detach().clone() for b in holder.buffers()]
+    ran = prime_buckets(forward, loss)
+    with torch.no_grad():
+        for b, v in zip(holder.buffers(), saved, strict=True):
+            b.copy_(v)
+    return ran
 
 
 def full(value: torch.Tensor) -> torch.Tensor:

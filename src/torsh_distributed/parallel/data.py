@@ -69,8 +69,10 @@ def apply_ddp(
         broadcast_buffers: Re-broadcast buffers from rank 0 every forward. Off: our models
             keep no running statistics, and it costs a collective per step.
         first_bucket_mb: Size of the first bucket (gradients ready first); smaller starts the
-            first all-reduce earlier. 0 = ``bucket_cap_mb``. Buckets are then fixed from the
-            first step (no rebuild after step 1).
+            first all-reduce earlier. 0 = ``bucket_cap_mb``. The sizes then hold from the first
+            step (without it the first backward uses one bucket of everything); either way DDP
+            re-orders the buckets after its first backward, by gradient-ready order
+            (:func:`~torsh_distributed.compression.hooks.prime_buckets` does it before a step).
         static_graph: The used parameters never change: DDP skips per-step bookkeeping.
         gradient_as_bucket_view: Gradients alias the buckets: one gradient copy less memory.
         find_unused_parameters: Search the graph for parameters without gradients every step

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh_distributed.parallel.priority import _Exchange, _Op, _Step
+from torsh_distributed.parallel._priority_exchange import Exchange, Op, Step
 
 __all__ = ["ShardedExchange"]
 
@@ -51,7 +51,7 @@ RS, AG, ASK = 0, 1, 2  # message kinds: reduce-scatter, all-gather, bitmap only
 _now = time.perf_counter
 
 
-class ShardedExchange(_Exchange):
+class ShardedExchange(Exchange):
     """The ZeRO-2 state machine (see the module doc); the thread and hooks are the parent's."""
 
     def __init__(self, params: list[nn.Parameter], **kwargs: Any) -> None:
@@ -122,13 +122,13 @@ class ShardedExchange(_Exchange):
 
     # --- the exchange thread ---------------------------------------------------------------
 
-    def _bitmap(self, step: _Step) -> torch.Tensor:
+    def _bitmap(self, step: Step) -> torch.Tensor:
         submitted = step.submitted.is_set()  # read first: submit() marks every chunk ready before
         with self.cond:
             flags = [*map(float, step.ready), float(submitted)]
         return torch.tensor(flags, dtype=self.params[0].dtype)
 
-    def _exchange(self, step: _Step) -> None:
+    def _exchange(self, step: Step) -> None:
         if not self.shards:
             raise RuntimeError("PriorityDataParallel(zero_stage=2): bind(optimizer) first")
         n, layout = len(self.layout), self.layout
@@ -137,7 +137,7 @@ class ShardedExchange(_Exchange):
         left = [len(c) for c in layout.of_param]  # per parameter: chunks not yet gathered
         issued_rs = [len(c) for c in layout.of_param]  # per parameter: chunks not yet sent
         flags = {"submitted": False}
-        inflight: deque[_Op] = deque()
+        inflight: deque[Op] = deque()
         inflight_bytes, gathered = 0, 0
         while gathered < n:
             if flags["submitted"]:
@@ -189,7 +189,7 @@ class ShardedExchange(_Exchange):
         if counts[-1] == self.world:
             flags["submitted"] = True
 
-    def _track(self, op: _Op, kind: int) -> _Op:
+    def _track(self, op: Op, kind: int) -> Op:
         self.kind_of[id(op)] = kind
         try:
             op.work.get_future().add_done_callback(lambda _: op.done_at.append(_now()))
@@ -197,7 +197,7 @@ class ShardedExchange(_Exchange):
             pass
         return op
 
-    def _scatter(self, step: _Step, chunk: int, issued_rs: list[int]) -> _Op:
+    def _scatter(self, step: Step, chunk: int, issued_rs: list[int]) -> Op:
         width, m = self._width(chunk), len(self.layout) + 1
         flat = torch.zeros(width * self.world, dtype=self.params[0].dtype)
         scale = 1.0 / self.world
@@ -218,11 +218,11 @@ class ShardedExchange(_Exchange):
         issued = _now()
         work = dist.reduce_scatter_single(out, buf.view(-1), group=self.group, async_op=True)
         # bytes as an all-reduce's: a reduce-scatter (or all-gather) of N moves half of one of N
-        op = _Op(chunk=chunk, buf=out, nbytes=buf.numel() * self.elem // 2, issued=issued,
+        op = Op(chunk=chunk, buf=out, nbytes=buf.numel() * self.elem // 2, issued=issued,
                  work=work, clean=True)  # fmt: skip
         return self._track(op, RS)
 
-    def _step_shard(self, step: _Step, chunk: int, reduced: torch.Tensor) -> None:
+    def _step_shard(self, step: Step, chunk: int, reduced: torch.Tensor) -> None:
         optimizer = self.optimizer
         assert optimizer is not None
         per_group: dict[int, list[nn.Parameter]] = {}
@@ -239,7 +239,7 @@ class ShardedExchange(_Exchange):
         for _, shard, _, _ in self.shards[chunk]:
             shard.grad = None
 
-    def _gather(self, step: _Step, chunk: int) -> _Op:
+    def _gather(self, step: Step, chunk: int) -> Op:
         width, m = self._width(chunk), len(self.layout) + 1
         mine = torch.zeros(width + m, dtype=self.params[0].dtype)
         for _, shard, offset, length in self.shards[chunk]:
@@ -248,18 +248,18 @@ class ShardedExchange(_Exchange):
         out = torch.empty(self.world, width + m, dtype=mine.dtype)
         issued = _now()
         work = dist.all_gather_single(out.view(-1), mine, group=self.group, async_op=True)
-        op = _Op(chunk=chunk, buf=out, nbytes=out.numel() * self.elem // 2, issued=issued,
+        op = Op(chunk=chunk, buf=out, nbytes=out.numel() * self.elem // 2, issued=issued,
                  work=work, clean=True)  # fmt: skip
         return self._track(op, AG)
 
-    def _ask(self, step: _Step) -> _Op:
+    def _ask(self, step: Step) -> Op:
         buf = self._bitmap(step)
         work = dist.all_reduce(buf, group=self.group, async_op=True)
-        op = _Op(chunk=-1, buf=buf, nbytes=0, issued=_now(), work=work, clean=False)
+        op = Op(chunk=-1, buf=buf, nbytes=0, issued=_now(), work=work, clean=False)
         return self._track(op, ASK)
 
     def _finish(
-        self, op: _Op, reduced: list[torch.Tensor | None], left: list[int]
+        self, op: Op, reduced: list[torch.Tensor | None], left: list[int]
     ) -> tuple[int, list[float]]:
         """Wait for ``op``; keep a reduce-scatter's shard, copy an all-gather into the
         parameters (releasing their forward pre-hooks); its kind and the summed bitmap."""

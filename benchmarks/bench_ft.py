@@ -95,6 +95,7 @@ def _job(
         "wall_s": wall,
         "final_loss": result["final_loss"],
         "steps": result["steps"],
+        "fit_s": result.get("wall_time_s"),  # the reporting rank's fit(): no process start-up
     }
     if "ft" in result and result["ft"]:
         out["ft_time_s"] = result["ft"].get("time_s")

@@ -55,7 +55,8 @@ def main() -> None:
             out = _job(mode, kill=False, **common)
             loads.append(os.getloadavg()[0])
             print(
-                f"clean, {mode}: wall {out['wall_s']:.1f} s, final loss {out['final_loss']:.4f}, "
+                f"clean, {mode}: wall {out['wall_s']:.1f} s (training {out['fit_s']:.1f} s), "
+                f"final loss {out['final_loss']:.4f}, "
                 f"torchft time {json.dumps(out.get('ft_time_s'))} (load {loads[-1]:.1f})",
                 flush=True,
             )

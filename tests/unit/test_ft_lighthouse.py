@@ -75,9 +75,21 @@ def test_silent_group_leaves_after_the_heartbeat_timeout() -> None:
     try:
         client = LighthouseClient(lighthouse.address(), connect_timeout=T)
         client.heartbeat("g1:b")
+        done = threading.Event()
+
+        def beat() -> None:  # g0's manager heartbeats while it waits (as torchft's does)
+            while not done.wait(0.05):
+                client.heartbeat("g0:a")
+
+        beating = threading.Thread(target=beat)
+        beating.start()
         got: dict[str, object] = {}
         started = time.monotonic()
-        _quorum(client, "g0:a", 0, got)
+        try:
+            _quorum(client, "g0:a", 0, got)
+        finally:
+            done.set()
+            beating.join()
         assert 0.3 < time.monotonic() - started < 5
         assert [p.replica_id for p in got["g0:a"].participants] == ["g0:a"]
     finally:

@@ -27,8 +27,9 @@ class FTConfig:
     max_restarts: int = field(default=3, metadata={"flags": []})
     """Restarts of one group before it is given up (the job then goes on without it while
     ``min_groups`` groups remain)."""
-    backoff_s: float = field(default=0.5, metadata={"flags": []})
-    """Wait before a group's first restart, doubled at each further restart of that group."""
+    backoff_s: float = field(default=0.1, metadata={"flags": []})
+    """Wait before a group's first restart, doubled at each further restart of that group (a
+    group that keeps failing then restarts less often)."""
     min_groups: int = field(default=1, metadata={"flags": []})
     """The job stops with an error when fewer groups than this are left (given up, or all
     down at once: nothing healthy to heal from)."""

@@ -71,7 +71,8 @@ def main() -> None:
             phases = failure.get("rejoin_phases_s", {})
             print(
                 f"kill{f' ({name})' if name else ''}: stall {out['stall_s']} s "
-                f"({out['stall_steps']} steps of {out['median_step_s']:.3f} s; commit "
+                f"({out['stall_steps']} steps of {out['median_step_s']:.3f} s; quorum back "
+                f"{failure.get('quorum_after_death_s')} s and commit "
                 f"{failure.get('commit_after_death_s')} s after the launcher saw the death), "
                 f"rejoin {out['recovery_s']} s at step {out['rejoined_step']}, phases (s after "
                 f"the death) {json.dumps(phases)}, failures {len(out['failures'])}, wall "

@@ -31,7 +31,7 @@ class FTConfig:
     """Wait before a group's first restart, doubled at each further restart of that group (a
     group that keeps failing then restarts less often). It also keeps the restarted group's
     start-up off the CPU while the healthy groups form their quorum without it: 0.1 s gave a
-    1.6-step stall on the loaded 2-core VM where 0.5 s gave 0.1-1.34 steps (<= 1 in 4 of 6)."""
+    1.6-step stall on the loaded 2-core VM where 0.5 s gave 0.1-1.34 steps (<= 1 in 6 of 8)."""
     min_groups: int = field(default=1, metadata={"flags": []})
     """The job stops with an error when fewer groups than this are left (given up, or all
     down at once: nothing healthy to heal from)."""

@@ -205,6 +205,7 @@ class ReplicaGroups:
         self._transport: Any = None
         self._announced = False
         self.timers = {"quorum": 0.0, "allreduce": 0.0, "commit": 0.0}  # seconds, all steps
+        self.slow_quorums: list[tuple[float, float]] = []  # (unix start, seconds) over 50 ms
         self._event("setup")  # the process is up and has imported the engine
 
     def _event(self, name: str, **extra: Any) -> None:
@@ -294,9 +295,12 @@ class ReplicaGroups:
         if self.incarnation and not self._announced:
             self._announced = True  # a restarted group asks to join (tests' hold faults wait)
             self._event("joining")
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         self.manager.start_quorum()
-        self.timers["quorum"] += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.timers["quorum"] += took
+        if took > 0.05:  # a membership change, a join, or a slow host: kept for the report
+            self.slow_quorums.append((wall, took))
         step = self.manager.current_step()
         if self.healed_at is None and step > done:  # healed from a live group
             self.healed_at = step
@@ -460,6 +464,15 @@ class ReplicaGroups:
                     "healthy_stall_steps": round(gap / typical - 1, 2) if gap and typical else None,
                     # the launcher saw the death -> the healthy groups' next commit
                     "commit_after_death_s": round(times[after] - died, 3) if after else None,
+                    # the healthy rank's quorum that was waiting or started when the group died
+                    "quorum_after_death_s": next(
+                        (
+                            round(start + took - died, 3)
+                            for start, took in self.slow_quorums
+                            if start + took >= died
+                        ),
+                        None,
+                    ),
                     "steps_lost_healthy": 0,
                     "signal": event.get("signal"),
                 }

@@ -18,6 +18,12 @@ round, so neither always runs on a warmer cache):
   --max-steps 5``: ``time.time()`` just before the launch to the trainer's ``first_step_unix_s``
   (``--summary-json``; the end of step 1 on rank 0), and the whole command's wall time.
 
+``--start-methods spawn,forkserver`` instead compares the installed tree's worker start methods
+(``--start-method``, see docs/launch.md) on the 2-rank run, or ``--nproc N`` ranks::
+
+    .venv/bin/python benchmarks/bench_startup.py --start-methods spawn,forkserver --train-rounds 5
+    .venv/bin/python benchmarks/bench_startup.py --start-methods spawn,forkserver --nproc 4
+
 ``--burners K`` keeps K ``python -c 'while 1: pass'`` processes running throughout (a CPU-heavy
 neighbour). The 1-minute load average is printed before and after.
 """
@@ -66,12 +72,12 @@ def time_cli(argv: list[str], env: dict[str, str]) -> float:
     return wall
 
 
-def time_train(env: dict[str, str], workdir: Path) -> tuple[float, float]:
+def time_train(env: dict[str, str], workdir: Path, extra: list[str]) -> tuple[float, float]:
     """(launch to the end of the first step, the whole command) in seconds."""
     summary = workdir / "summary.json"
     summary.unlink(missing_ok=True)
     start = time.time()
-    done = subprocess.run([TORSH_DIST, *TRAIN, "--summary-json", str(summary)], env=env,
+    done = subprocess.run([TORSH_DIST, *TRAIN, *extra, "--summary-json", str(summary)], env=env,
                           cwd=workdir, capture_output=True, text=True, timeout=900)
     wall = time.time() - start
     if done.returncode != 0:
@@ -81,11 +87,12 @@ def time_train(env: dict[str, str], workdir: Path) -> tuple[float, float]:
 
 def _row(name: str, times: dict[str, list[float]]) -> str:
     cells = []
-    for variant, values in times.items():
+    first = next(iter(times))
+    for i, values in enumerate(times.values()):
         cells.append(f"{statistics.median(values):.2f} (min {min(values):.2f})")
-        if variant == "after" and "before" in times:
-            ratio = statistics.median(times["before"]) / statistics.median(values)
-            cells.append(f"{ratio:.1f}x")
+        if i == 1:
+            ratio = statistics.median(times[first]) / statistics.median(values)
+            cells.append(f"{ratio:.2f}x")
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
@@ -95,10 +102,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the help/refusal runs")
     parser.add_argument("--train-rounds", type=int, default=3, help="rounds of the 2-rank run (0: skip)")
     parser.add_argument("--burners", type=int, default=0, help="busy-loop processes beside the runs")
+    parser.add_argument("--start-methods", metavar="M,M",
+                        help="compare worker start methods (e.g. spawn,forkserver) instead of trees")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the training run")
     args = parser.parse_args()
+    TRAIN[TRAIN.index("--nproc-per-node") + 1] = str(args.nproc)
     variants = {"after": _env(None)}
+    extra: dict[str, list[str]] = {"after": []}
     if args.before:
         variants = {"before": _env(str(Path(args.before, "src").resolve())), **variants}
+        extra["before"] = []
+    if args.start_methods:
+        methods = args.start_methods.split(",")
+        variants = {m: _env(None) for m in methods}
+        extra = {m: ["--start-method", m] for m in methods}
+        args.rounds = 0  # help and refusals do not start workers
     burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.burners)]
     try:
         time.sleep(1.0 if burners else 0.0)
@@ -114,7 +132,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
             for r in range(args.train_rounds):
                 for variant in order if r % 2 == 0 else order[::-1]:
-                    to_first, wall = time_train(variants[variant], Path(tmp))
+                    to_first, wall = time_train(variants[variant], Path(tmp), extra[variant])
                     first[variant].append(to_first)
                     whole[variant].append(wall)
                     print(f"round {r + 1} {variant}: first step {to_first:.2f} s, whole {wall:.2f} s "
@@ -124,13 +142,14 @@ def main() -> None:
         for proc in burners:
             proc.kill()
             proc.wait()
-    head = " | ".join(f"{v} median s" + (" | after vs before" if v == "after" and args.before else "")
-                      for v in variants)
-    print(f"\n| command | {head} |\n|---|" + "---|" * (len(variants) + (1 if args.before else 0)))
-    for name in CLI_CASES:
+    names = list(variants)
+    head = " | ".join(f"{v} median s" + (f" | {names[0]} / {v}" if i == 1 else "")
+                      for i, v in enumerate(names))
+    print(f"\n| command | {head} |\n|---|" + "---|" * (len(names) + (1 if len(names) > 1 else 0)))
+    for name in CLI_CASES if args.rounds else ():
         print(_row(f"`{name}`", cli[name]))
     if args.train_rounds:
-        print(_row("`torsh-dist train --nproc-per-node 2 --preset tiny --max-steps 5`: launch to first step", first))
+        print(_row(f"`torsh-dist {' '.join(TRAIN)}`: launch to first step", first))
         print(_row("the same: whole command", whole))
     print("\nruns (s):", json.dumps({"cli": cli, "first_step": first, "whole": whole}))
 

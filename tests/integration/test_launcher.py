@@ -126,6 +126,52 @@ def test_module_form_passes_arguments_through(tmp_path: Path) -> None:
         assert info == {"argv": ["--flag", "v", "-m", "x"], "name": "__main__", "file": "job.py"}
 
 
+def test_forkserver_workers_see_what_spawned_ones_see(tmp_path: Path) -> None:
+    """The warm start (the default) forks workers from a process that imported torch before the
+    launcher set their environment: each must still get the launcher's environment at launch
+    (OMP_NUM_THREADS, the job id, GLOO_SOCKET_IFNAME), its own rank variables, the working
+    directory, ``sys.path[0]``, ``sys.argv`` and a command line naming its module, exactly as
+    a freshly spawned worker does. Fails if any of these leaks from the forkserver."""
+    write(tmp_path / "torsh_warm_probe" / "__init__.py", "")
+    write(
+        tmp_path / "torsh_warm_probe" / "job.py",
+        """
+        import json, os, sys
+        warm = "torch" in sys.modules  # imported before this module ran: forked warm
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+                "TORSH_PROBE")
+        env = {k: os.environ.get(k) for k in keys}
+        env["job"] = bool(os.environ.get("TORSH_JOB_ID"))
+        with open("/proc/self/cmdline", "rb") as f:
+            cmdline = f.read().replace(bytes([0]), b" ").decode()
+        print("SEEN", json.dumps({"warm": warm, "env": env, "cwd": os.getcwd(),
+                                  "path0": sys.path[0], "argv": sys.argv[1:],
+                                  "named": "torsh_warm_probe.job --x 1" in cmdline}))
+        """,
+    )
+    seen = {}
+    for method in ("spawn", "forkserver"):
+        env = {**_env(), "TORSH_PROBE": method}
+        env.pop("OMP_NUM_THREADS", None)
+        result = subprocess.run(
+            _cmd("--nproc-per-node", "2", "--start-method", method, "-m", "torsh_warm_probe.job",
+                 "--x", "1"),
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        seen[method] = records(result.stdout, "SEEN")
+        assert sorted(seen[method]) == [0, 1], result.stdout
+    for rank in (0, 1):
+        spawn, warm = seen["spawn"][rank], seen["forkserver"][rank]
+        assert (spawn.pop("warm"), warm.pop("warm")) == (False, True)
+        assert spawn["env"].pop("TORSH_PROBE") == "spawn"
+        assert warm["env"].pop("TORSH_PROBE") == "forkserver"
+        assert warm == spawn
+        assert warm["env"]["RANK"] == str(rank) and warm["env"]["OMP_NUM_THREADS"] == "1"
+        assert warm["env"]["job"] and warm["named"]
+        assert warm["path0"] == warm["cwd"] == str(tmp_path)
+
+
 def test_failing_rank_is_reported_once_with_its_traceback(tmp_path: Path) -> None:
     write(
         tmp_path / "fail.py",

@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from torsh_distributed.elastic._options import UNREACHABLE_AFTER_S, LaunchOptions
+from torsh_distributed.elastic._warm import START_METHODS
 from torsh_distributed.runtime.errors import TorshDistributedError
 
 __all__ = ["add_launch_arguments", "options_from_args", "register"]
@@ -152,6 +153,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often the agent checks its workers. Default: 0.1",
     )
     group.add_argument(
+        "--start-method",
+        "--start_method",
+        dest="start_method",
+        choices=START_METHODS,
+        default="forkserver",
+        help="how workers start: forkserver = forked from one process that imported torch once, "
+        "started while the launcher checks and rendezvouses (saves each worker and each restart "
+        "the import); spawn = a fresh `python -u -m ...` per worker, as torchrun starts scripts. "
+        "Default: forkserver",
+    )
+    group.add_argument(
         "--master-timeout",
         "--master_timeout",
         dest="master_timeout",
@@ -252,6 +264,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         log_dir=args.log_dir,
         local_ranks_filter=_resolve_filter(args.local_ranks_filter),
         verbose=bool(args.verbose),
+        start_method=getattr(args, "start_method", "forkserver"),
     )
 
 

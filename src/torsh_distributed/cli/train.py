@@ -34,6 +34,7 @@ from torsh_distributed.cli._train_scale import Scaled, launch_scaled, scale_rang
 from torsh_distributed.train.config import PRESETS, TrainConfig, preset
 
 if typing.TYPE_CHECKING:
+    from torsh_distributed.elastic._options import LaunchOptions
     from torsh_distributed.engine.user import UserFactories
 
 __all__ = ["register", "add_config_arguments", "config_from_args", "main"]
@@ -434,6 +435,11 @@ def _handle(args: argparse.Namespace) -> int:
 
     world = detect_environment(os.environ)
     inside_launch = world is not None
+    if not inside_launch and not config.ft.enabled and _launches(options):
+        from torsh_distributed.elastic import _warm
+
+        # the workers' imports run in the forkserver while this process checks and launches
+        _warm.prestart(_warm.preload_for("torsh_distributed.train"))
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
     if (config.monitor.tensorboard or config.monitor.mlflow) and not inside_launch:
@@ -469,6 +475,12 @@ def _handle(args: argparse.Namespace) -> int:
         module="torsh_distributed.train",
         args=["--config-json", config.to_json(), *(user.to_args() if user else [])],
     )
+
+
+def _launches(options: LaunchOptions) -> bool:
+    """Whether this command starts workers that fork from a warm forkserver."""
+    several = options.nproc_per_node > 1 or options.nnodes not in ("1", "1:1")
+    return several and options.start_method == "forkserver" and "PYTHON_EXEC" not in os.environ
 
 
 def _train_here(config: TrainConfig, user: UserFactories | None = None) -> int:

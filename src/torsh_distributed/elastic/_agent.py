@@ -16,6 +16,7 @@ events, shutdown) torch's across versions.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -40,6 +41,8 @@ class _ReportingAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         remaining = getattr(self, "_remaining_restarts", None)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if failed:
+            _add_other_failures(self._pcontext, worker_group, result)
         out: TextIO | None = getattr(_local, "out", None)
         if failed and out is not None and isinstance(remaining, int) and remaining > 0:
             spec = worker_group.spec
@@ -52,6 +55,31 @@ class _ReportingAgent(LocalElasticAgent):
                 out=out,
             )
         return result
+
+
+def _add_other_failures(pcontext: Any, worker_group: WorkerGroup, result: RunResult) -> None:
+    """Warm-started workers (a function entry point, torch's ``MultiprocessContext``): torch
+    reports only the first failed worker it notices, then stops the rest. Add every other worker
+    that did not exit cleanly, with its error file, as a spawned worker group reports them, so
+    the launcher's report can tell the rank that failed first from its victims."""
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if not processes:
+        return  # spawned workers: torch already lists every failure
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    for local_rank, proc in enumerate(processes):
+        rank = worker_group.workers[local_rank].global_rank
+        if rank in result.failures or proc.exitcode in (0, None):
+            continue
+        error_file = pcontext.error_files[local_rank]
+        try:  # a worker stopped while it wrote its record: no record (torch would fail on it)
+            with open(error_file, encoding="utf-8") as fp:
+                json.load(fp)
+        except (OSError, ValueError):
+            error_file = ""
+        result.failures[rank] = ProcessFailure(
+            local_rank=local_rank, pid=proc.pid, exitcode=proc.exitcode, error_file=error_file
+        )
 
 
 @contextlib.contextmanager

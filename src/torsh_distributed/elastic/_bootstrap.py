@@ -36,7 +36,7 @@ import time
 import traceback
 from types import TracebackType
 
-__all__ = ["main", "error_record"]
+__all__ = ["main", "error_record", "run_worker"]
 
 USAGE = "usage: python -m torsh_distributed.elastic._bootstrap (SCRIPT | -m MODULE) [ARGS ...]"
 _RUNPY_FILE = os.path.normcase(os.path.abspath(runpy.__file__))
@@ -97,9 +97,11 @@ def _record(exc: BaseException) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
-    try:
-        with open(path, "w", encoding="utf-8") as fp:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:  # whole or not at all: the launcher may stop this worker while it writes
+        with open(tmp, "w", encoding="utf-8") as fp:
             json.dump(error_record(exc), fp)
+        os.replace(tmp, path)
     except OSError:
         return False
     return True
@@ -161,6 +163,28 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError):
                 pass
     return 0
+
+
+def run_worker(launcher_env: dict[str, str], cwd: str, argv: list[str]) -> None:
+    """A worker forked from the launcher's forkserver (``start_method="forkserver"``, see
+    :mod:`torsh_distributed.elastic._warm`): the same as ``python -u -m`` this module ``ARGV``
+    started in ``cwd`` with ``launcher_env``. A non-zero exit code leaves as ``SystemExit``."""
+    from torsh_distributed.elastic import _warm
+
+    # the title first: setproctitle moves the environment block, which must still be the original
+    _warm.set_title([sys.executable, "-u", "-m", __name__.rpartition(".")[0] + "._bootstrap", *argv])
+    _warm.adopt_environment(launcher_env)
+    os.chdir(cwd)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+        except (AttributeError, ValueError):
+            pass
+    if argv and argv[0] == "-m" and not sys.flags.safe_path and sys.path:
+        sys.path[0] = cwd  # `python -m` puts the working directory first
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

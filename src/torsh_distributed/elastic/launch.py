@@ -45,6 +45,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -56,7 +57,9 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
 from torsh_distributed.elastic import _network as _net
+from torsh_distributed.elastic import _warm
 from torsh_distributed.elastic._agent import reporting_agent
+from torsh_distributed.elastic._bootstrap import run_worker
 from torsh_distributed.elastic._options import (
     DEFAULT_C10D_PORT,
     RDZV_BACKENDS,
@@ -309,11 +312,14 @@ def launch(
             max_restarts=options.max_restarts,
             monitor_interval=options.monitor_interval,
             log_line_prefix_template=LOG_LINE_PREFIX,
+            start_method="forkserver",  # used only for a function entry point (warm start)
             # the address peers reach this node at (torch would resolve the host name, which
             # may be loopback): where node 0 runs the workers' store, and what it publishes
             local_addr=plan.route.local_ip if plan.route is not None else None,
         )
-        cmd_args = ["-u", "-m", _BOOTSTRAP, *target, *args]
+        warm = options.start_method == "forkserver" and "PYTHON_EXEC" not in os.environ
+        if warm:  # usually already started by the CLI, before it imported torch
+            _warm.prestart(_warm.preload_for(module))
         if options.verbose:
             print(
                 f"torsh-dist: {options.nproc_per_node} worker(s) on this node, nnodes "
@@ -328,7 +334,13 @@ def launch(
             reporting_agent(sys.stderr),
         ):
             try:
-                launch_agent(config, os.environ.get("PYTHON_EXEC", sys.executable), cmd_args)
+                if warm:  # what the agent gives a function: see _warm
+                    entry: Any = run_worker
+                    cmd_args: list[Any] = [dict(os.environ), os.getcwd(), [*target, *args]]
+                else:
+                    entry = os.environ.get("PYTHON_EXEC", sys.executable)
+                    cmd_args = ["-u", "-m", _BOOTSTRAP, *target, *args]
+                launch_agent(config, entry, cmd_args)
             except ChildFailedError as exc:
                 return _report(
                     exc,

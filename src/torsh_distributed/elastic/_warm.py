@@ -1,0 +1,104 @@
+"""Warm worker start: every worker of a launch forks from one process that imported torch once.
+
+``torsh-dist run`` / ``train`` used to start each worker as a fresh interpreter
+(``python -u -m torsh_distributed.elastic._bootstrap ...``), and every one of them imported torch,
+``torch._dynamo`` (the first ``torch.optim`` optimizer imports it) and, for ``train``, the engine:
+about 3.5 CPU seconds per worker on the 2-core VM this was measured on, paid again at every
+elastic restart. With ``start_method="forkserver"`` (the default) the launcher starts Python's
+forkserver early, preloaded with those modules, while it does its own work (argument checks,
+rendezvous); workers are then forked from it, already past the imports. See docs/multihost.md
+("How workers start") for the measured difference and ``--start-method spawn`` for the old way.
+
+What a forked worker sees must equal what a fresh one would:
+
+* **Environment.** The forkserver's environment is the launcher's at the time it started; the
+  launcher may set more before the workers start (``OMP_NUM_THREADS``, ``GLOO_SOCKET_IFNAME``,
+  the job id, the user's ``env``). The launcher passes its environment at launch time and the
+  worker adopts it, keeping on top what torch's agent set for this rank (``RANK``,
+  ``TORCHELASTIC_ERROR_FILE``, ...): ``{**launcher_env, **agent_env}``, as a subprocess gets.
+  The agent's variables are told apart from the forkserver's own by :data:`BASE_ENV`, captured
+  when this module is imported in the forkserver (it is the first module preloaded).
+* **Working directory and ``sys.path``**: set as ``python SCRIPT`` / ``python -m MODULE`` would.
+* **Its name in ``ps``**: the command line a spawned worker would have (``python -u -m
+  torsh_distributed.elastic._bootstrap ...``), so ``pgrep -f train.py`` still finds the ranks;
+  written with ``setproctitle`` (a dependency), else only the 15-character thread name is set.
+* **Unbuffered output** (``python -u``): stdout and stderr are line-buffered with write-through.
+
+This module imports nothing heavy: the launcher calls :func:`prestart` before it imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "BASE_ENV", "START_METHODS", "adopt_environment", "prestart", "preload_for", "set_title",
+]
+
+START_METHODS = ("forkserver", "spawn")
+"""``forkserver``: workers fork from a process that preloaded torch (the default). ``spawn``: one
+fresh interpreter per worker (``python -u -m ...``), as torchrun starts a script."""
+
+BASE_ENV: dict[str, str] = dict(os.environ)
+"""The environment of the process that imported this module first: in a worker forked from the
+forkserver, the forkserver's (this module is preloaded there)."""
+_BASE_PID = os.getpid()
+
+_PRELOAD = ("torsh_distributed.elastic._warm", "torch", "torch._dynamo")
+# What `torsh-dist train`'s workers import besides: the engine and the trainer (~0.5 s more).
+_TRAIN_PRELOAD = ("torsh_distributed.engine.engine", "torsh_distributed.train.trainer")
+
+
+def preload_for(module: str | None) -> list[str]:
+    """The modules the forkserver imports for a launch of ``module`` (``None``: a script)."""
+    extra = _TRAIN_PRELOAD if module and module.startswith("torsh_distributed.") else ()
+    return [*_PRELOAD, *extra]
+
+
+def prestart(preload: Sequence[str]) -> bool:
+    """Start Python's forkserver now, importing ``preload``, unless it already runs (then its
+    preload stays what it was). Returns True when this call started it. Does not wait for the
+    imports: they run in the forkserver while the caller goes on."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - the stdlib's one forkserver per process
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return False
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    forkserver.ensure_running()
+    return True
+
+
+def adopt_environment(launcher_env: Mapping[str, str]) -> None:
+    """In a forked worker: make ``os.environ`` the launcher's environment at launch time plus
+    what the agent set for this worker (the variables that differ from the forkserver's)."""
+    if os.getpid() == _BASE_PID:
+        # not preloaded in a forkserver (imported here first): the agent's variables cannot be
+        # told apart, so only add what is missing
+        for key, value in launcher_env.items():
+            os.environ.setdefault(key, value)
+        return
+    agent = {k: v for k, v in os.environ.items() if BASE_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launcher_env)
+    os.environ.update(agent)
+
+
+def set_title(argv: Sequence[str]) -> None:
+    """Show ``argv`` as this process's command line (``/proc/PID/cmdline``, ``ps``)."""
+    title = " ".join(argv)
+    try:
+        import setproctitle
+    except ImportError:
+        setproctitle = None
+    if setproctitle is not None:
+        setproctitle.setproctitle(title)
+        return
+    try:  # without it: the kernel's 15-byte name (ps -o comm, top, pgrep without -f)
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, b"torsh-worker", 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,75 @@
+"""The warm worker start (``elastic._warm``): what a forked worker's environment becomes, and the
+option's validation. The end-to-end parity with spawned workers is
+tests/integration/test_launcher.py::test_forkserver_workers_see_what_spawned_ones_see."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from torsh_distributed.elastic import _warm
+from torsh_distributed.elastic._options import LaunchOptions
+
+
+def test_start_method_is_validated_by_name() -> None:
+    assert LaunchOptions().start_method == "forkserver"
+    assert LaunchOptions(start_method="spawn").start_method == "spawn"
+    with pytest.raises(ValueError, match="start_method must be one of forkserver, spawn, got 'fork'"):
+        LaunchOptions(start_method="fork")
+
+
+def test_a_forked_worker_gets_the_launcher_env_with_the_agent_vars_on_top(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # as in a worker forked from the forkserver: BASE_ENV is the forkserver's environment, the
+    # agent then set RANK and changed OMP_NUM_THREADS; the launcher's env at launch differs
+    base = {"PATH": "/bin", "OLD_ONLY": "1", "OMP_NUM_THREADS": "8", "SAME": "x"}
+    monkeypatch.setattr(_warm, "BASE_ENV", base)
+    monkeypatch.setattr(_warm, "_BASE_PID", os.getpid() + 1)  # "imported in another process"
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update({**base, "RANK": "3", "OMP_NUM_THREADS": "1"})
+        launcher = {"PATH": "/bin", "SAME": "x", "OMP_NUM_THREADS": "4", "TORSH_JOB_ID": "j",
+                    "RANK": "99"}
+        _warm.adopt_environment(launcher)
+        got = dict(os.environ)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # the launcher's variables, the agent's values winning; what only the forkserver had is gone
+    assert got == {"PATH": "/bin", "SAME": "x", "OMP_NUM_THREADS": "1", "TORSH_JOB_ID": "j",
+                   "RANK": "3"}
+
+
+def test_without_a_preloaded_base_only_missing_variables_are_added(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_warm, "_BASE_PID", os.getpid())  # imported here: no forkserver base
+    saved = dict(os.environ)
+    try:
+        os.environ.pop("TORSH_JOB_ID", None)
+        os.environ["RANK"] = "2"
+        _warm.adopt_environment({"RANK": "99", "TORSH_JOB_ID": "j"})
+        got = (os.environ["RANK"], os.environ["TORSH_JOB_ID"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert got == ("2", "j")
+
+
+def test_preload_names_the_engine_only_for_our_own_modules() -> None:
+    assert _warm.preload_for(None)[:3] == ["torsh_distributed.elastic._warm", "torch", "torch._dynamo"]
+    assert "torsh_distributed.engine.engine" in _warm.preload_for("torsh_distributed.train")
+    assert "torsh_distributed.engine.engine" not in _warm.preload_for("mypkg.train")
+
+
+def test_importing_the_module_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, torsh_distributed.elastic._warm, torsh_distributed.elastic._options; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

@@ -104,7 +104,7 @@ def test_a_run_not_started_by_the_launcher_is_refused() -> None:
         )
 
 
-def test_group_share_of_the_global_batch() -> None:
+def test_group_share_of_the_global_batch(tmp_path) -> None:
     from torsh_distributed.ft.replica import ReplicaGroups
 
     env = {
@@ -113,7 +113,7 @@ def test_group_share_of_the_global_batch() -> None:
         "TORSH_FT_RANK": "2",
         "TORSH_FT_LIGHTHOUSE": "x",
         "TORSH_FT_STORE": "127.0.0.1:1",
-        "TORSH_FT_DIR": ".",
+        "TORSH_FT_DIR": str(tmp_path),  # its event log: not the working directory
     }
     groups = ReplicaGroups(FTConfig(replica_groups=2), group_rank=0, group_size=2, env=env)
     assert groups.shard(torch.arange(8)).tolist() == [4, 5, 6, 7]

@@ -44,8 +44,10 @@ demo: install-core
 	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n    ' \
 		--max-new-tokens 112 --temperature 0.9 --top-k 20 --seed 0
 
+# --junitxml: every test's duration (runs/pytest-junit.xml, ignored by git) for finding where the
+# suite's time goes; --durations prints the slowest 30.
 test: system-deps install
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q --durations=30 --junitxml=runs/pytest-junit.xml tests
 
 # The GPU check (docs/gpu.md): run on a machine with CUDA and PyTorch (the accelerator machine's
 # image: no network there, so the wheels it lacks travel in .whl/, fetched here by gpu-wheels).

@@ -51,6 +51,7 @@ def _run(
     zero_stage: int = 0,
     steps: int = 30,
     lines: list[str] | None = None,
+    start_method: str = "forkserver",
 ) -> tuple[int, dict[str, Any] | None]:
     summary = tmp_path / "summary.json"
     config = EngineConfig(
@@ -72,6 +73,7 @@ def _run(
         section=ft,
         env=env,
         write=(lines.append if lines is not None else None),
+        start_method=start_method,
     )
     return rc, (json.loads(summary.read_text()) if summary.exists() else None)
 
@@ -112,9 +114,12 @@ def _check_losses(summary: dict[str, Any], tmp_path: Path, *, groups: int, batch
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_zero2_groups_kill_one_rank_heals_from_live_group(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_zero2_groups_kill_one_rank_heals_from_live_group(tmp_path: Path, start_method: str) -> None:
     """4 ranks = 2 groups x 2 with ZeRO-2 inside, 60 steps, rank 3 (group 1) SIGKILLed after
-    step 20: group 0 keeps its processes and steps on alone, group 1 restarts and heals."""
+    step 20: group 0 keeps its processes and steps on alone, group 1 restarts and heals. Ranks
+    fork from the warm forkserver (the default) or start as fresh interpreters (``spawn``, where
+    the launcher keeps a spare group started ahead)."""
     lines: list[str] = []
     faults = "kill:rank=3:step=20,hold:rank=0:step=26:group=1,hold:rank=1:step=26:group=1"
     rc, summary = _run(
@@ -125,6 +130,7 @@ def test_zero2_groups_kill_one_rank_heals_from_live_group(tmp_path: Path) -> Non
         zero_stage=2,
         steps=60,
         lines=lines,
+        start_method=start_method,
     )
     assert rc == 0, lines
     assert summary is not None and summary["steps"] == 60

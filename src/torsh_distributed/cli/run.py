@@ -160,8 +160,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         default="forkserver",
         help="how workers start: forkserver = forked from one process that imported torch once, "
         "started while the launcher checks and rendezvouses (saves each worker and each restart "
-        "the import); spawn = a fresh `python -u -m ...` per worker, as torchrun starts scripts. "
-        "Default: forkserver",
+        "the import; with --ft.replica-groups, every restarted group too); spawn = a fresh "
+        "`python -u -m ...` per worker, as torchrun starts scripts. Default: forkserver",
     )
     group.add_argument(
         "--master-timeout",

@@ -435,11 +435,11 @@ def _handle(args: argparse.Namespace) -> int:
 
     world = detect_environment(os.environ)
     inside_launch = world is not None
-    if not inside_launch and not config.ft.enabled and _launches(options):
+    if not inside_launch and _launches(options):
         from torsh_distributed.elastic import _warm
 
         # the workers' imports run in the forkserver while this process checks and launches
-        _warm.prestart(_warm.preload_for("torsh_distributed.train"))
+        _warm.prestart(_warm.preload_for("torsh_distributed.train", ft=config.ft.enabled))
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
     if (config.monitor.tensorboard or config.monitor.mlflow) and not inside_launch:
@@ -466,7 +466,7 @@ def _handle(args: argparse.Namespace) -> int:
         return launch_groups(
             [sys.executable, "-m", "torsh_distributed.train", "--config-json", config.to_json(),
              *(user.to_args() if user else [])],
-            nproc=options.nproc_per_node, section=config.ft,
+            nproc=options.nproc_per_node, section=config.ft, start_method=options.start_method,
         )
     from torsh_distributed.elastic.launch import launch
 

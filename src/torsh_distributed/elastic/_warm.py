@@ -48,12 +48,15 @@ _BASE_PID = os.getpid()
 _PRELOAD = ("torsh_distributed.elastic._warm", "torch", "torch._dynamo")
 # What `torsh-dist train`'s workers import besides: the engine and the trainer (~0.5 s more).
 _TRAIN_PRELOAD = ("torsh_distributed.engine.engine", "torsh_distributed.train.trainer")
+# What the ranks of fault-tolerant replica groups (torsh_distributed.ft.launch) import besides.
+_FT_PRELOAD = ("torchft", "torsh_distributed.ft.replica")
 
 
-def preload_for(module: str | None) -> list[str]:
-    """The modules the forkserver imports for a launch of ``module`` (``None``: a script)."""
+def preload_for(module: str | None, *, ft: bool = False) -> list[str]:
+    """The modules the forkserver imports for a launch of ``module`` (``None``: a script);
+    ``ft``: the ranks run in replica groups (torchft)."""
     extra = _TRAIN_PRELOAD if module and module.startswith("torsh_distributed.") else ()
-    return [*_PRELOAD, *extra]
+    return [*_PRELOAD, *extra, *(_FT_PRELOAD if ft else ())]
 
 
 def prestart(preload: Sequence[str]) -> bool:

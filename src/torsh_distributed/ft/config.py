@@ -45,11 +45,12 @@ class FTConfig:
     the moment it sees its processes die: the healthy groups stall about one quorum round) or
     ``torchft`` (torchft's own lighthouse: a dead group leaves after ``heartbeat_timeout_s``)."""
     spare_group: bool = field(default=True, metadata={"flags": []})
-    """Keep one group's worth of ranks started and imported (torch, torchft, the engine),
-    waiting: a restarted group takes them instead of fresh processes, which saves the
-    interpreter start-up and imports (most of a rejoin). Costs that many idle processes'
-    memory (~0.4 GB each with torch) and their imports' CPU once, after the job is up and again
-    after each restart."""
+    """With ``--start-method spawn`` only: keep one group's worth of ranks started and imported
+    (torch, torchft, the engine), waiting: a restarted group takes them instead of fresh
+    processes, which saves the interpreter start-up and imports (most of a rejoin). Costs that
+    many idle processes' memory (~0.4 GB each with torch) and their imports' CPU once, after the
+    job is up and again after each restart. With ``forkserver`` (the default) every rank forks
+    from the warm forkserver and is past its imports at once: no spare is started."""
     timeout_s: float = field(default=30.0, metadata={"flags": []})
     """Timeout of the cross-group all-reduce, the commit vote and the state transfer."""
 

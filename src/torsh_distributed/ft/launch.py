@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torsh_distributed.elastic import _warm
 from torsh_distributed.ft._lighthouse import Lighthouse
 from torsh_distributed.ft.config import FTConfig
 from torsh_distributed.ft.replica import append_event, read_events
@@ -88,11 +89,48 @@ def _phases(events: list[dict[str, object]], group: _Group, died: float) -> str:
     return ", ".join(parts)
 
 
+class _Forked:
+    """A rank forked from the launcher's warm forkserver (``start_method="forkserver"``), with
+    the part of :class:`subprocess.Popen`'s interface the launcher uses."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        import multiprocessing
+
+        from torsh_distributed.elastic._bootstrap import run_worker
+
+        ctx = multiprocessing.get_context("forkserver")
+        # as `python ARGV[1:]` in this directory with ``env`` (see elastic._warm)
+        self._proc = ctx.Process(target=run_worker, args=(dict(env), os.getcwd(), list(argv[1:])))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal), or ``None`` while it runs."""
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None and self.pid is not None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self) -> int | None:
+        self._proc.join()
+        return self._proc.exitcode
+
+
+_Proc = subprocess.Popen[bytes] | _Forked
+
+
 @dataclass(slots=True)
 class _Group:
     index: int
     ranks: list[int]
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[_Proc] = field(default_factory=list)
     incarnation: int = 0
     restarts: int = 0
     restart_at: float | None = None  # when a back-off ends
@@ -108,6 +146,7 @@ def launch_groups(
     section: FTConfig,
     env: Mapping[str, str] | None = None,
     write: Callable[[str], None] | None = None,
+    start_method: str = "forkserver",
 ) -> int:
     """Run ``argv`` as ``nproc`` ranks in ``section.replica_groups`` groups; the exit status.
 
@@ -118,10 +157,23 @@ def launch_groups(
         env: Base environment of the workers (``os.environ`` by default); ``TORSH_FT_FAULT``
             in it injects kills (``kill:rank=R:step=S[:attempt=N]``, global rank, tests).
         write: Where the launcher's lines go (stdout by default).
+        start_method: ``"forkserver"`` (the default): every rank, at the start and at each
+            restart, forks from one warm process that imported torch, torchft and the engine
+            once (:mod:`torsh_distributed.elastic._warm`), so a restarted group is past its
+            imports at once and ``ft.spare_group`` is not needed. ``"spawn"``: a fresh
+            interpreter per rank (and the spare group, if ``ft.spare_group``). A worker
+            command whose interpreter is not this one always spawns.
 
     Raises:
-        ValueError: ``nproc`` is not a multiple of the groups.
+        ValueError: ``nproc`` is not a multiple of the groups, or an unknown ``start_method``.
     """
+    if start_method not in _warm.START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(_warm.START_METHODS)}, got {start_method!r}"
+        )
+    warm = start_method == "forkserver" and bool(argv) and argv[0] == sys.executable
+    if warm:  # usually started by the CLI already, before it imported torch
+        _warm.prestart(_warm.preload_for("torsh_distributed.train", ft=True))
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at info
     from torch.distributed import TCPStore
 
@@ -171,7 +223,9 @@ def launch_groups(
                 "TORSH_FT_STORE": f"127.0.0.1:{store.port}",
                 "TORSH_FT_DIR": directory,
             }
-            if use_spares:  # hand the waiting process its rank (see ft._spare)
+            if warm:
+                group.procs.append(_Forked(argv, worker_env))
+            elif use_spares:  # hand the waiting process its rank (see ft._spare)
                 proc = spares[local]
                 assert proc.stdin is not None
                 proc.stdin.write((json.dumps(worker_env) + "\n").encode())
@@ -235,6 +289,7 @@ def launch_groups(
             live = [g for g in groups if not (g.given_up or g.done)]
             if (
                 section.spare_group
+                and not warm  # a forked rank is past its imports: nothing to start ahead
                 and not spares
                 and live
                 and all(g.healthy and (g.index, g.incarnation) in attached for g in live)
@@ -349,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--spare-group", type=lambda v: v.lower() in ("1", "true", "yes"), default=_D.spare_group
     )
+    parser.add_argument("--start-method", choices=_warm.START_METHODS, default="forkserver")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -361,7 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         lighthouse=ns.lighthouse,
         spare_group=ns.spare_group,
     )
-    return launch_groups([sys.executable, ns.script, *ns.args], nproc=ns.nproc, section=section)
+    return launch_groups(
+        [sys.executable, ns.script, *ns.args],
+        nproc=ns.nproc,
+        section=section,
+        start_method=ns.start_method,
+    )
 
 
 if __name__ == "__main__":

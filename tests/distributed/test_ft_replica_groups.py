@@ -49,6 +49,7 @@ def _run(
     ft: FTConfig,
     faults: str,
     zero_stage: int = 0,
+    tp: int = 1,
     steps: int = 30,
     lines: list[str] | None = None,
     start_method: str = "forkserver",
@@ -62,7 +63,7 @@ def _run(
         backend="gloo",
         summary_json=str(summary),
         ft=ft,
-        parallel=ParallelConfig(zero_stage=zero_stage),
+        parallel=ParallelConfig(zero_stage=zero_stage, tp=tp),
         optim=OptimConfig(grad_clip=0.0),
     )
     env = {**os.environ, "TORSH_FT_FAULT": faults}
@@ -148,6 +149,33 @@ def test_zero2_groups_kill_one_rank_heals_from_live_group(tmp_path: Path, start_
     assert [0] in membership  # steps without group 1
     assert any("died (signal SIGKILL); restarting group 1 (ranks 2, 3)" in s for s in lines)
     assert any("group 1 rejoined at step" in s for s in lines)
+    _check_losses(summary, tmp_path, groups=2, batch=32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tensor_parallel_groups_kill_one_rank_heals_its_shards(tmp_path: Path) -> None:
+    """4 ranks = 2 groups x tp 2: rank 3 (group 1's second TP shard) SIGKILLed after step 8;
+    group 1 restarts and takes each TP shard from the same group rank of group 0; the losses
+    equal the one-process replay (TP's sums in another order: within 1e-5)."""
+    lines: list[str] = []
+    faults = "kill:rank=3:step=8,hold:rank=0:step=12:group=1,hold:rank=1:step=12:group=1"
+    rc, summary = _run(
+        tmp_path,
+        nproc=4,
+        ft=FTConfig(replica_groups=2, timeout_s=600),
+        faults=faults,
+        tp=2,
+        steps=24,
+        lines=lines,
+    )
+    assert rc == 0, lines
+    assert summary is not None and summary["steps"] == 24
+    (failure,) = summary["ft"]["failures"]
+    assert (failure["rank"], failure["group"], failure["restarted_ranks"]) == (3, 1, [2, 3])
+    assert failure["rejoined_step"] is not None
+    membership = summary["ft"]["steps"]
+    assert [0] in membership and membership[-1] == [0, 1]
     _check_losses(summary, tmp_path, groups=2, batch=32)
 
 

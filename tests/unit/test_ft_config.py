@@ -37,7 +37,7 @@ def test_bad_settings_are_refused_by_name(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"parallel": ParallelConfig(tp=2)}, r"cannot run with --tp 2"),
+        ({"parallel": ParallelConfig(pp=2)}, r"cannot run with --pp 2"),
         ({"compression": CompressionConfig(method="topk:0.01")}, r"does not support --compression"),
         ({"batch_size": 33}, r"batch_size 33 is not divisible by ft.replica_groups 2"),
     ],

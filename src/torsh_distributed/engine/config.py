@@ -267,11 +267,11 @@ def _check_ft(cfg: EngineConfig) -> None:
     if not cfg.ft.enabled:
         return
     par, groups = cfg.parallel, cfg.ft.replica_groups
-    for axis in ("tp", "pp", "ep"):
+    for axis in ("pp", "ep"):
         if getattr(par, axis) > 1:
             raise ValueError(
-                f"ft.replica_groups {groups} runs DDP or ZeRO inside each group: it cannot run "
-                f"with --{axis} {getattr(par, axis)} yet"
+                f"ft.replica_groups {groups} runs DDP, ZeRO or TP inside each group: it cannot "
+                f"run with --{axis} {getattr(par, axis)} yet"
             )
     for what, on in (
         ("--compression", cfg.compression.enabled),

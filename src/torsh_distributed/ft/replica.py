@@ -336,7 +336,7 @@ class ReplicaGroups:
         onehot = torch.zeros(self.num_groups, dtype=torch.float32)
         onehot[self.group] = 1.0
         flat = torch.cat(
-            [*(g.reshape(-1).float() for g in grads), loss.detach().reshape(1).float(), onehot]
+            [*(g.reshape(-1).float() for g in grads), _local(loss.detach()).reshape(1).float(), onehot]
         )
         started = time.perf_counter()
         manager.allreduce(flat).wait()  # sum / participants (zeros from a healing group)

@@ -48,6 +48,8 @@ def main() -> None:
         optimizer=make_optimizer,
         config=config,
         name="ft-mlp",
+        # tensor parallelism inside each group: the two hidden Linears column- then row-wise
+        tp_plan={"0": "colwise", "2": "rowwise"} if config.parallel.tp > 1 else None,
     ).fit()
     if len(sys.argv) > 2:  # every step's loss, as this rank saw it (the summary keeps two)
         name = f"losses.g{os.environ['TORSH_FT_GROUP']}.r{os.environ['RANK']}.json"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ pytest.importorskip("torchft", reason="torchft is not installed (pip install -e 
 
 import torch  # noqa: E402
 
+from torsh_distributed.compression.config import CompressionConfig  # noqa: E402
 from torsh_distributed.data.sampler import EpochSampler  # noqa: E402
 from torsh_distributed.engine.config import EngineConfig, OptimConfig  # noqa: E402
 from torsh_distributed.ft.config import FTConfig  # noqa: E402
@@ -50,6 +52,7 @@ def _run(
     faults: str,
     zero_stage: int = 0,
     tp: int = 1,
+    compression: str = "none",
     steps: int = 30,
     lines: list[str] | None = None,
     start_method: str = "forkserver",
@@ -65,6 +68,7 @@ def _run(
         ft=ft,
         parallel=ParallelConfig(zero_stage=zero_stage, tp=tp),
         optim=OptimConfig(grad_clip=0.0),
+        compression=CompressionConfig(method=compression),
     )
     env = {**os.environ, "TORSH_FT_FAULT": faults}
     env.pop("TORSH_FAULT", None)
@@ -177,6 +181,40 @@ def test_tensor_parallel_groups_kill_one_rank_heals_its_shards(tmp_path: Path) -
     membership = summary["ft"]["steps"]
     assert [0] in membership and membership[-1] == [0, 1]
     _check_losses(summary, tmp_path, groups=2, batch=32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compressed_groups_heal_with_the_donors_compressor_state(tmp_path: Path) -> None:
+    """2 groups x 2 ranks, PowerSGD on each group's DDP exchange: rank 3 SIGKILLed after step 6;
+    group 1 restarts and takes each rank's compressor state (factors, residuals, counters) from
+    the same group rank of group 0, so at the end both groups' compressors have counted the same
+    steps (a restarted compressor alone would have counted only those since its restart)."""
+    lines: list[str] = []
+    faults = "kill:rank=3:step=6,hold:rank=0:step=10:group=1,hold:rank=1:step=10:group=1"
+    rc, summary = _run(
+        tmp_path,
+        nproc=4,
+        ft=FTConfig(replica_groups=2, timeout_s=600),
+        faults=faults,
+        compression="powersgd:2",
+        steps=20,
+        lines=lines,
+    )
+    assert rc == 0, lines
+    assert summary is not None and summary["steps"] == 20
+    (failure,) = summary["ft"]["failures"]
+    assert failure["group"] == 1 and failure["rejoined_step"] is not None
+    assert summary["ft"]["steps"][-1] == [0, 1]
+    counted = {
+        (g, r): json.loads((tmp_path / f"compression.g{g}.r{r}.json").read_text())
+        for g in (0, 1)
+        for r in (0, 1)
+    }
+    assert all(c["method"].startswith("powersgd") for c in counted.values()), counted
+    for r in (0, 1):
+        assert counted[1, r]["steps"] == counted[0, r]["steps"] > 0, counted
+    assert math.isfinite(summary["final_loss"])
 
 
 @pytest.mark.slow

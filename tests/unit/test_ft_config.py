@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torsh_distributed.compression.config import CompressionConfig
-from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.engine.config import EngineConfig, OptimConfig
 from torsh_distributed.ft.config import FTConfig
 from torsh_distributed.parallel.config import ParallelConfig
 
@@ -38,7 +37,7 @@ def test_bad_settings_are_refused_by_name(kwargs: dict, match: str) -> None:
     ("kwargs", "match"),
     [
         ({"parallel": ParallelConfig(pp=2)}, r"cannot run with --pp 2"),
-        ({"compression": CompressionConfig(method="topk:0.01")}, r"does not support --compression"),
+        ({"optim": OptimConfig(optimizer="onebit_adam")}, r"does not support --optimizer onebit_adam"),
         ({"batch_size": 33}, r"batch_size 33 is not divisible by ft.replica_groups 2"),
     ],
 )

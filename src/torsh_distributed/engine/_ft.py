@@ -115,6 +115,10 @@ class FTRun(Run):
         if state:
             self.scaler.load_state_dict(state)
 
+    @property
+    def compression_state(self) -> Any:
+        return self.compression.stateful
+
     # --- the end ---------------------------------------------------------------------------
 
     def finish(self) -> TrainResult:

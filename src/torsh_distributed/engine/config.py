@@ -274,7 +274,6 @@ def _check_ft(cfg: EngineConfig) -> None:
                 f"run with --{axis} {getattr(par, axis)} yet"
             )
     for what, on in (
-        ("--compression", cfg.compression.enabled),
         (f"--optimizer {cfg.optim.optimizer}", cfg.optim.optimizer in ONEBIT),
         ("--checkpoint-dir", bool(cfg.checkpoint.dir)),
         ("--carbon.scale", cfg.carbon.scale),

@@ -4,7 +4,7 @@ The engine's run calls four things (and nothing else changes in its loop):
 
 * :meth:`ReplicaGroups.next_step` before each step: torchft's quorum. A restarted group heals
   here: a healthy group's rank of the same group rank sends its live state (model, optimizer,
-  scaler, scheduler, losses, per-step membership, RNG) through the job's store, and the
+  scaler, scheduler, compressor, losses, per-step membership, RNG) through the job's store, and the
   engine goes on at the step the healthy groups are at;
 * :meth:`ReplicaGroups.shard` on each training batch: group ``g`` of ``R`` takes the ``g``-th
   contiguous share of the global batch (which stays a pure function of the step), then the
@@ -81,6 +81,11 @@ class RunState(Protocol):
     def scaler_state(self) -> dict[str, Any]: ...
 
     def load_scaler_state(self, state: dict[str, Any]) -> None: ...
+
+    @property
+    def compression_state(self) -> Any:
+        """The gradient compressor's ``Stateful`` (residuals, PowerSGD factors, ``auto``'s
+        decisions, counters), or ``None`` without compression."""
 
 
 def append_event(directory: str | Path, event: Mapping[str, Any]) -> None:
@@ -380,6 +385,9 @@ class ReplicaGroups:
             "history": self.history,
             "commit_times": self.commit_times,
             "rng": torch.get_rng_state(),
+            "compression": (
+                run.compression_state.state_dict() if run.compression_state is not None else None
+            ),
         }
 
     def _load_state(self, sd: dict[str, Any]) -> None:
@@ -414,6 +422,8 @@ class ReplicaGroups:
         run.losses[:] = sd["losses"]
         self.history, self.commit_times = sd["history"], sd["commit_times"]
         torch.set_rng_state(sd["rng"])
+        if run.compression_state is not None and sd.get("compression") is not None:
+            run.compression_state.load_state_dict(sd["compression"])
         run.start_step = len(run.losses)
 
     # --- the report ------------------------------------------------------------------------

@@ -54,6 +54,10 @@ def main() -> None:
     if len(sys.argv) > 2:  # every step's loss, as this rank saw it (the summary keeps two)
         name = f"losses.g{os.environ['TORSH_FT_GROUP']}.r{os.environ['RANK']}.json"
         (Path(sys.argv[2]) / name).write_text(json.dumps(result.losses))
+        if config.compression.enabled:  # this rank's compressor totals (steps, bytes)
+            (Path(sys.argv[2]) / name.replace("losses", "compression")).write_text(
+                json.dumps(result.compression)
+            )
 
 
 if __name__ == "__main__":

@@ -131,13 +131,16 @@ def test_forkserver_workers_see_what_spawned_ones_see(tmp_path: Path) -> None:
     launcher set their environment: each must still get the launcher's environment at launch
     (OMP_NUM_THREADS, the job id, GLOO_SOCKET_IFNAME), its own rank variables, the working
     directory, ``sys.path[0]``, ``sys.argv`` and a command line naming its module, exactly as
-    a freshly spawned worker does. Fails if any of these leaks from the forkserver."""
+    a freshly spawned worker does, and run the script's ``atexit`` handlers when it ends. Fails
+    if any of these leaks from the forkserver."""
     write(tmp_path / "torsh_warm_probe" / "__init__.py", "")
     write(
         tmp_path / "torsh_warm_probe" / "job.py",
         """
-        import json, os, sys
+        import atexit, json, os, sys
         warm = "torch" in sys.modules  # imported before this module ran: forked warm
+        atexit.register(lambda: open(f"atexit.{os.environ['TORSH_PROBE']}.{os.environ['RANK']}",
+                                     "w").close())
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
                 "TORSH_PROBE")
         env = {k: os.environ.get(k) for k in keys}
@@ -161,6 +164,9 @@ def test_forkserver_workers_see_what_spawned_ones_see(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
         seen[method] = records(result.stdout, "SEEN")
         assert sorted(seen[method]) == [0, 1], result.stdout
+        assert sorted(p.name for p in tmp_path.glob(f"atexit.{method}.*")) == [
+            f"atexit.{method}.0", f"atexit.{method}.1"
+        ]  # every worker ran its atexit handlers
     for rank in (0, 1):
         spawn, warm = seen["spawn"][rank], seen["forkserver"][rank]
         assert (spawn.pop("warm"), warm.pop("warm")) == (False, True)

@@ -26,6 +26,7 @@ signal and the launcher reports the interruption once.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -182,7 +183,12 @@ def run_worker(launcher_env: dict[str, str], cwd: str, argv: list[str]) -> None:
             pass
     if argv and argv[0] == "-m" and not sys.flags.safe_path and sys.path:
         sys.path[0] = cwd  # `python -m` puts the working directory first
-    code = main(argv)
+    try:
+        code = main(argv)
+    finally:
+        # a forked process ends with os._exit, which skips atexit: run the handlers here, as a
+        # fresh interpreter does at its end (the script's, e.g. a tracker's final flush)
+        atexit._run_exitfuncs()
     if code:
         raise SystemExit(code)
 

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.compression import onebit
-from torsh_distributed.data.sampler import GlobalSampler, fetch, shard
+from torsh_distributed.data.sampler import GlobalSampler, shard
 from torsh_distributed.energy.tracker import EnergyTracker
 from torsh_distributed.engine import _setup as S
 from torsh_distributed.engine._carbon import CarbonControl
@@ -501,13 +501,7 @@ class Run:
         return S.to_device(self._fetch(dataset, indices), self.device, non_blocking=non_blocking)
 
     def _fetch(self, dataset: Any, indices: Iterable[int] | torch.Tensor) -> Any:
-        batch = fetch(dataset, indices, collate=self.engine.collate_fn)
-        if not isinstance(batch, (list, tuple)) or len(batch) != 2:
-            raise ValueError(
-                f"dataset items must be (input, target) pairs; a collated batch was "
-                f"{type(batch).__name__}{'' if not isinstance(batch, (list, tuple)) else f' of {len(batch)}'}"
-            )
-        return batch
+        return S.fetch_pair(dataset, indices, self.engine.collate_fn)
 
     # --- evaluation ------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torsh_distributed.compression.hooks import prime_buckets
+from torsh_distributed.data.sampler import fetch
 from torsh_distributed.engine._plan import RunPlan, plan_run
 from torsh_distributed.engine._schedule import priority_wrap
 from torsh_distributed.engine.config import EngineConfig
@@ -252,6 +253,18 @@ def prime_ddp(forward: nn.Module, holder: nn.Module, loss: Callable[[], torch.Te
 def full(value: torch.Tensor) -> torch.Tensor:
     """A plain tensor of ``value`` (a DTensor's full value)."""
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def fetch_pair(dataset: Any, indices: Iterable[int] | torch.Tensor, collate: Any) -> Any:
+    """The collated batch of ``dataset[indices]``; ``ValueError`` unless it is an ``(input,
+    target)`` pair."""
+    batch = fetch(dataset, indices, collate=collate)
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        raise ValueError(
+            f"dataset items must be (input, target) pairs; a collated batch was "
+            f"{type(batch).__name__}{'' if not isinstance(batch, (list, tuple)) else f' of {len(batch)}'}"
+        )
+    return batch
 
 
 def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:

@@ -5,6 +5,9 @@ tests/integration/test_launcher.py::test_forkserver_workers_see_what_spawned_one
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +76,38 @@ def test_importing_the_module_imports_no_torch() -> None:
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+
+def test_a_forked_worker_keeps_its_exit_code_after_its_atexit_handlers(tmp_path: Path) -> None:
+    """``run_worker`` in a process forked from a forkserver runs the script's atexit handlers
+    (as a fresh interpreter would) and still exits with the script's code: the forkserver's own
+    fast exit (``_warm._exit_now``) is armed only in the forkserver itself, never in a worker
+    (here one whose forkserver did not preload ``_warm``, so the worker imports it)."""
+    user = tmp_path / "user.py"
+    user.write_text(
+        "import atexit, sys\n"
+        "atexit.register(lambda: open('ran_atexit', 'w').close())\n"
+        "sys.exit(3)\n"
+    )
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import multiprocessing as mp, os, sys\n"
+        "def child(user):\n"
+        "    from torsh_distributed.elastic._bootstrap import run_worker\n"
+        "    from torsh_distributed.elastic import _warm\n"
+        "    print('armed', _warm._in_forkserver(), flush=True)\n"
+        "    run_worker(dict(os.environ), os.getcwd(), [user])\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('forkserver')\n"
+        "    ctx.set_forkserver_preload(['json'])\n"
+        "    p = ctx.Process(target=child, args=(sys.argv[1],))\n"
+        "    p.start(); p.join()\n"
+        "    print('exitcode', p.exitcode, flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(probe), str(user)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["armed", "False", "exitcode", "3"], out.stdout + out.stderr
+    assert (tmp_path / "ran_atexit").exists()

@@ -49,8 +49,14 @@ _BASE_PID = os.getpid()
 
 
 def _in_forkserver() -> bool:
-    """Whether this process is Python's forkserver (this module imported as its preload)."""
-    return sys.argv[:1] == ["-c"] and "multiprocessing.forkserver" in sys.modules
+    """Whether this process is Python's forkserver itself (this module imported as its preload),
+    not a process forked from it (whose ``sys.argv`` multiprocessing sets to its parent's, and
+    whose ``parent_process()`` is set)."""
+    if sys.argv[:1] != ["-c"] or "multiprocessing.forkserver" not in sys.modules:
+        return False
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None
 
 
 def _exit_now() -> None:

@@ -173,6 +173,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      "--clients SuperNodes started here; see examples/flower_app")
     out.add_argument("--app-config", default="", metavar="'K=V ...'",
                      help="with --app: overrides of the app's [tool.flwr.app.config] (flwr run --run-config)")
+    out.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+                     help="how each SuperNode starts its ClientApps, one process per Flower message: forked "
+                     "from a process per node that imported torch and Flower once (forkserver, the default), "
+                     "or a fresh interpreter each (spawn: Flower's own SuperExec)")
     _add_token_flags(out)
     from torsh_distributed.cli._config_file import add_config_file_arguments
 
@@ -189,6 +193,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node.add_argument("--num-partitions", type=int, required=True, help="number of clients of the run")
     node.add_argument("--host", default="127.0.0.1", help="address of this node's ClientApp API")
     node.add_argument("--port", type=int, default=0, help="its port (0 = a free one)")
+    node.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+                     help="how each SuperNode starts its ClientApps, one process per Flower message: forked "
+                     "from a process per node that imported torch and Flower once (forkserver, the default), "
+                     "or a fresh interpreter each (spawn: Flower's own SuperExec)")
     _add_token_flags(node, node=True)
     add_config_file_arguments(node)
     node.set_defaults(handler=node_main)
@@ -324,7 +332,7 @@ def main(args: argparse.Namespace) -> int:
     quick = exposed and tls is None and not args.insecure
     federation = Federation(  # checks the host and the token before any file is written
         config, host=args.superlink_host, port=args.superlink_port, local_nodes=not args.remote_nodes,
-        token=_token(args), tls=tls, insecure=args.insecure or quick,
+        token=_token(args), tls=tls, insecure=args.insecure or quick, start_method=args.start_method,
     )  # fmt: skip
     if quick:  # TLS by default off loopback: this federation's own CA, made after those checks
         federation.tls, federation.insecure = _quick_start_tls(config, args.superlink_host), False
@@ -367,4 +375,5 @@ def node_main(args: argparse.Namespace) -> int:
     return join(
         args.superlink, partition_id=args.partition_id, num_partitions=args.num_partitions,
         token=_token(args), host=args.host, port=args.port, tls=_tls(args), insecure=args.insecure,
+        start_method=args.start_method,
     )  # fmt: skip

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from torsh_distributed.elastic._warm import START_METHODS
 from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
 from torsh_distributed.runtime.busy import scaled_start_timeout
@@ -90,14 +91,33 @@ def _env(home: Path | None = None) -> dict[str, str]:
 
 
 def supernode_command(
-    superlink: str, *, partition_id: int, num_partitions: int, host: str = "127.0.0.1", port: int
+    superlink: str, *, partition_id: int, num_partitions: int, host: str = "127.0.0.1", port: int,
+    start_method: str = "forkserver",
 ) -> list[str]:
-    """The ``flower-supernode`` command line of client ``partition_id``."""
-    return [
+    """The command line of client ``partition_id``'s SuperNode (``--node-config`` comes last).
+
+    Args:
+        start_method: How its ClientApps start, one process per Flower message either way.
+            ``forkserver``: forked from a process that imported torch, Flower and the engine once
+            (:mod:`~torsh_distributed.federated._warm_node`; ~3 CPU seconds less per message, one
+            more resident process per node). ``spawn``: Flower's own SuperExec starts a fresh
+            ``flwr-clientapp`` interpreter per message.
+
+    Raises:
+        ValueError: an unknown ``start_method``.
+    """
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    node = [
         _bin("flower-supernode"), "--insecure", "--superlink", superlink,
         "--host", host, "--port", str(port),
         "--node-config", f"partition-id={partition_id} num-partitions={num_partitions}",
     ]  # fmt: skip
+    if start_method == "spawn":
+        return node
+    runtime = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    node[1:1] = ["--isolation", "process"]  # this node's SuperExec is _warm_node
+    return [sys.executable, "-m", "torsh_distributed.federated._warm_node", "--runtime-api-address", runtime, "--", *node]
 
 
 def _kill_apps(ports: set[int]) -> None:
@@ -137,13 +157,14 @@ def _is_loopback(host: str) -> bool:
 
 def join(
     superlink: str, *, partition_id: int, num_partitions: int, token: str = "", host: str = "127.0.0.1",
-    port: int = 0, tls: TLSFiles | None = None, insecure: bool = False,
+    port: int = 0, tls: TLSFiles | None = None, insecure: bool = False, start_method: str = "forkserver",
 ) -> int:
     """Run client ``partition_id``'s SuperNode until it exits; returns its exit code.
 
     With a ``token`` (required when ``superlink`` is not on loopback) a client relay on this
     host's loopback proves the token to the head's relay and carries the SuperNode's traffic;
     over TLS (``tls``: the federation's CA, this node's certificate and key) unless ``insecure``.
+    ``start_method``: how its ClientApps start (:func:`supernode_command`).
 
     Raises:
         ValueError: a malformed address, a remote head without a token, or without TLS and
@@ -170,7 +191,7 @@ def join(
         )
     cmd = supernode_command(
         superlink, partition_id=partition_id, num_partitions=num_partitions, host=host,
-        port=port or free_port(host),
+        port=port or free_port(host), start_method=start_method,
     )  # fmt: skip
     proc = subprocess.Popen(cmd, env=_env(), preexec_fn=_die_with_parent)
     try:
@@ -215,6 +236,10 @@ class Federation:
             presenting a certificate of ``ca`` (mutual TLS), then checks the token.
         insecure: Exposed without TLS: the token is still proved (HMAC, never sent), but
             weights and updates cross the network in the clear.
+        start_method: How the local SuperNodes start their ClientApps (one process per Flower
+            message either way): ``forkserver`` (forked from a process per node that imported
+            torch and Flower once) or ``spawn`` (Flower's own: a fresh interpreter per message);
+            see :func:`supernode_command`.
     """
 
     config: FederatedConfig
@@ -225,6 +250,7 @@ class Federation:
     token: str = field(default="", repr=False)
     tls: TLSFiles | None = None
     insecure: bool = False
+    start_method: str = "forkserver"
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _logs: list[IO[bytes]] = field(default_factory=list)
     _link_port: int = 0
@@ -233,6 +259,8 @@ class Federation:
     """Ports of the SuperLinks and SuperNodes started here (their app processes name them)."""
 
     def __post_init__(self) -> None:
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}")
         # the ServerApp and the clients run in other directories: paths must not be relative
         self.config = dataclasses.replace(self.config, run_dir=str(Path(self.config.run_dir).resolve()))
         if not _is_loopback(self.host) and not self.token:
@@ -296,7 +324,7 @@ class Federation:
                 for pid in range(self.config.clients):
                     cmd = supernode_command(
                         self.address, partition_id=pid, num_partitions=self.config.clients,
-                        port=free_port(),
+                        port=free_port(), start_method=self.start_method,
                     )  # fmt: skip
                     self._spawn(f"supernode-{pid}", cmd)
             yield self
@@ -313,9 +341,15 @@ class Federation:
             state = self.run_dir / "regions" / f"region{region}" / "flwr"
             link = f"127.0.0.1:{self.start_superlink(f'region{region}-superlink', state)}"
             for pid in config.region_members(region):
-                cmd = supernode_command(link, partition_id=pid, num_partitions=config.clients, port=free_port())
+                cmd = supernode_command(
+                    link, partition_id=pid, num_partitions=config.clients, port=free_port(),
+                    start_method=self.start_method,
+                )  # fmt: skip
                 self._spawn(f"region{region}-supernode-{pid}", cmd, home=state / "home")
-            cmd = supernode_command(self.address, partition_id=region, num_partitions=config.regions, port=free_port())
+            cmd = supernode_command(
+                self.address, partition_id=region, num_partitions=config.regions, port=free_port(),
+                start_method=self.start_method,
+            )  # fmt: skip
             cmd[-1] = f'region-id={region} num-regions={config.regions} region-superlink="{link}"'
             self._spawn(f"region{region}-aggregator", cmd)
             started.append({"region": region, "superlink": link, "clients": config.region_members(region)})

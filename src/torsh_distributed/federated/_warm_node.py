@@ -1,0 +1,256 @@
+"""A SuperNode whose ClientApps start warm: each Flower message still gets its own
+``flwr-clientapp`` process, forked from a process that imported torch and Flower once.
+
+How Flower 1.42 runs ClientApps in its default ``--isolation subprocess`` mode: ``flower-supernode``
+starts one ``flower-superexec`` (``supernode/start_client_internal.py:207-222``) and creates a
+task for **every message** it pulls from the SuperLink (``:388``); the SuperExec polls the
+SuperNode's Runtime API for tasks (``supercore/superexec/run_superexec.py:256``, every
+``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` s, 1 s by default) and launches each with its
+``Executor``; the only local one, ``SubprocessExecutor``, ``Popen``s a fresh ``flwr-clientapp``
+interpreter (``executor/subprocess_executor.py:76-83``), which pulls its one message, runs the
+ClientApp and exits (``supernode/runtime/run_clientapp.py:151-231``). So every train, evaluate
+and SecAgg+ stage message pays a new interpreter importing Flower, torch and the app: about 3 CPU
+seconds on a 2-core VM (docs/benchmarks.md, "Warm ClientApps"). Flower's warm executor pools
+serve only AgentApp, model and connector tasks, on Kubernetes
+(``executor/warm_executor_pool.py:33-35``, ``executor/factory.py:60-87``).
+
+Here the SuperNode runs with ``--isolation process`` (it starts no SuperExec; the mode meant
+for a SuperExec run by someone else) and this process is that SuperExec: Flower's own
+``run_superexec`` loop against the SuperNode's Runtime API, with :class:`ForkserverExecutor`
+(Flower's ``Executor`` protocol) in place of ``SubprocessExecutor``. It forks every
+``flwr-clientapp`` from Python's forkserver, preloaded with torch, Flower's ClientApp runtime and
+the engine's ClientApps, then runs Flower's own ``flwr_clientapp()`` main with the command line
+``SubprocessExecutor`` would have given it. What stays as it was:
+
+* **One process per message**, forked from a server that only imported modules: nothing of one
+  message's process reaches the next (module state starts as after a fresh import). A SIGKILLed
+  ClientApp is a dead client, and killing the SuperNode's process tree kills all of it.
+* **Flower's protocol and components**: the SuperLink, SuperNode, Runtime API, task tokens,
+  heartbeats and ``flwr-clientapp``'s code are Flower's; only who starts the process changed.
+* **Your own ClientApp**: Flower loads it from the run's FAB in the forked process as before;
+  it finds torch and Flower already imported, its own modules are imported there afresh.
+* Its name in ``ps``: ``python .../flwr-clientapp --runtime-api-address ... --token ...`` as a
+  spawned one (:func:`~torsh_distributed.elastic._warm.set_title`).
+
+Other task types (none reach a SuperNode today) go to Flower's ``SubprocessExecutor``.
+
+    python -m torsh_distributed.federated._warm_node --runtime-api-address 127.0.0.1:PORT \\
+        -- flower-supernode --isolation process --port PORT ...
+
+returns the SuperNode's exit code. This module imports neither torch nor Flower at import: the
+forkserver starts first and imports while Flower's SuperExec is being imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torsh_distributed.elastic import _warm
+
+__all__ = ["PRELOAD", "ForkserverExecutor", "main"]
+
+PRELOAD = (
+    *_warm.preload_for(None),  # this helper module first, torch, torch._dynamo
+    "flwr.supernode.cli.flwr_clientapp",  # Flower's ClientApp process: its HTTP client, serde, FAB install
+    "torsh_distributed.federated._warm_node",  # the forked process's entry point
+    "torsh_distributed.federated.apps",  # the engine's ClientApps (found in sys.modules by Flower's loader)
+    "torsh_distributed.federated.secagg",
+    "torsh_distributed.federated.client",
+    "torsh_distributed.engine.engine",  # what a train message runs
+)
+"""What the forkserver imports once per SuperNode, for every ClientApp process forked from it."""
+
+_CLIENTAPP = "flwr-clientapp"
+_log = logging.getLogger(__name__)
+
+
+def _clientapp_argv(spec: Any) -> list[str]:
+    """``flwr-clientapp``'s command line for ``spec`` (an ``ExecutionSpec``), as Flower's
+    ``SubprocessExecutor.launch`` builds it."""
+    from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG
+
+    script = Path(sys.executable).parent / _CLIENTAPP
+    args = [str(script) if script.exists() else _CLIENTAPP,
+            TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[spec.task_type], spec.runtime_api_address, "--token", spec.token]  # fmt: skip
+    if spec.insecure:
+        args.append("--insecure")
+    elif spec.root_certificates_path is not None:
+        args += ["--root-certificates", spec.root_certificates_path]
+    if spec.parent_pid is not None:
+        args += ["--parent-pid", str(spec.parent_pid)]
+    if spec.runtime_dependency_install:
+        args.append("--allow-runtime-dependency-installation")
+    return args
+
+
+def run_clientapp(argv: list[str], quiet: bool) -> None:
+    """In a process forked from the forkserver: ``flwr-clientapp ARGV[1:]`` (Flower's main;
+    it exits through ``SystemExit`` with Flower's exit code)."""
+    # the title first: setproctitle moves the environment block, which must still be the original
+    _warm.set_title([sys.executable, *argv])
+    if quiet:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    for stream in (sys.stdout, sys.stderr):  # as a fresh process's output, line by line
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    sys.argv = list(argv)  # argparse and Flower's exit telemetry read it
+    from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
+
+    try:
+        flwr_clientapp()
+    finally:
+        # a forked process ends with os._exit, which skips atexit: run the handlers here, as a
+        # fresh interpreter does at its end (a user's ClientApp's final flush), as _bootstrap does
+        atexit._run_exitfuncs()
+
+
+class ForkserverExecutor:
+    """Flower's SuperExec ``Executor``: ``flwr-clientapp`` processes forked from the
+    forkserver (:data:`PRELOAD`); other task types through Flower's ``SubprocessExecutor``.
+
+    Like ``SubprocessExecutor`` it has no capacity gate. It keeps the processes it started so
+    that :meth:`reconcile` reaps them (a ClientApp that died of a signal is logged) and
+    :meth:`close` stops those still running as Flower's own ClientApps stop when their SuperExec
+    is gone (SIGINT, then SIGKILL after ``grace_s``).
+    """
+
+    def __init__(self, *, grace_s: float = 10.0) -> None:
+        import multiprocessing
+
+        from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
+
+        self._context = multiprocessing.get_context("forkserver")
+        self._cold = SubprocessExecutor()
+        self._procs: list[Any] = []
+        self._grace_s = grace_s
+
+    def get_eligible_capacity(
+        self, supported_task_types: set[Any], *, insecure: bool = False, root_certificates_path: str | None = None
+    ) -> tuple[set[Any], set[str]]:
+        del insecure, root_certificates_path
+        return set(supported_task_types), set()
+
+    def wait_for_capacity(self, task_type: Any = None, **_: Any) -> None:
+        del task_type
+
+    def launch(self, spec: Any) -> Any:
+        from flwr.supercore.constant import TaskType
+        from flwr.supercore.superexec.executor import LaunchResult
+
+        if spec.task_type != TaskType.CLIENT_APP:
+            return self._cold.launch(spec)
+        proc = self._context.Process(
+            target=run_clientapp, args=(_clientapp_argv(spec), bool(spec.suppress_output)),
+            name=f"flwr-clientapp-{spec.task_id}",
+        )  # fmt: skip
+        try:
+            proc.start()
+        except OSError as err:  # the forkserver is gone: Flower's task expiry applies
+            return LaunchResult.failed(f"could not fork flwr-clientapp from the forkserver: {err}")
+        self._procs.append(proc)
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        running = []
+        for proc in self._procs:
+            if proc.exitcode is None:
+                running.append(proc)
+                continue
+            if proc.exitcode < 0:
+                _log.warning("%s (pid %d) ended by signal %d", proc.name, proc.pid, -proc.exitcode)
+            proc.close()
+        self._procs = running
+
+    def close(self) -> None:
+        live = [p for p in self._procs if p.exitcode is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGINT)  # what their parent monitor does (app_utils.py)
+        deadline = time.monotonic() + self._grace_s
+        for proc in live:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        self._procs = []
+        self._cold.close()
+
+
+def _wait_listening(address: str, node: subprocess.Popen[bytes], *, timeout: float) -> None:
+    """Until the SuperNode's Runtime API accepts connections (Flower starts its own SuperExec
+    only after that, ``flower_supernode.py``)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.poll() is not None:
+            raise SystemExit(node.returncode)
+        with contextlib.suppress(OSError), socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"flower-supernode's Runtime API did not listen on {address} within {timeout:.0f} s")
+
+
+def _run_superexec(address: str, *, parent_pid: int) -> None:
+    """Flower's SuperExec loop (``run_superexec``) with :class:`ForkserverExecutor`.
+
+    Flower 1.42 chooses the executor by name only (``get_executor``: ``subprocess`` or
+    ``kubernetes``, ``executor/factory.py:53``); this process is a SuperExec of its own, so the
+    lookup is replaced here, in this process only.
+    """
+    from flwr.supercore.superexec import run_superexec as superexec
+
+    if not hasattr(superexec, "get_executor"):
+        raise RuntimeError(
+            "this Flower's run_superexec has no get_executor to choose the executor; start the "
+            "SuperNodes with --start-method spawn (Flower's own SuperExec)"
+        )
+    executor = ForkserverExecutor()
+    superexec.get_executor = lambda *_, **__: executor  # type: ignore[attr-defined]
+    superexec.run_superexec(runtime_api_address=address, insecure=True, parent_pid=parent_pid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the forkserver, the SuperNode (``argv`` after ``--``) and the SuperExec loop;
+    returns the SuperNode's exit code."""
+    from torsh_distributed.federated.deploy import _die_with_parent
+    from torsh_distributed.runtime.busy import scaled_start_timeout
+
+    parser = argparse.ArgumentParser(prog="python -m torsh_distributed.federated._warm_node")
+    parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's --host:--port")
+    parser.add_argument("supernode", nargs=argparse.REMAINDER, help="-- flower-supernode ARGS...")
+    args = parser.parse_args(argv)
+    command = args.supernode[1:] if args.supernode[:1] == ["--"] else args.supernode
+    if not command:
+        parser.error("give the flower-supernode command after --")
+    _warm.prestart(PRELOAD)  # imports in the background from here on
+    node = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    try:
+        _wait_listening(args.runtime_api_address, node, timeout=scaled_start_timeout(60))
+        _run_superexec(args.runtime_api_address, parent_pid=node.pid)
+    except (SystemExit, KeyboardInterrupt):
+        pass  # Flower's exit after a signal or when the SuperNode is gone; Ctrl-C before that
+    finally:
+        if node.poll() is None:
+            node.terminate()
+            try:
+                node.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                node.kill()
+    return node.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""ClientApps that start warm (:mod:`torsh_distributed.federated._warm_node`), for real on
+Flower's deployment engine, with a user's own Flower app (``_federated_probe_app``: nothing of
+torsh_distributed in it). Two messages to one SuperNode:
+
+- with ``start_method="forkserver"`` (the default) every message is still handled by a process of
+  its own, named ``flwr-clientapp`` and fresh (the app's module state starts anew), but torch was
+  imported before Flower loaded the app: the process was forked from the node's preloaded server;
+- with ``spawn`` (Flower's own SuperExec) the same probe sees torch imported only by the app: the
+  control that shows the probe tells the two apart.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from torsh_distributed.federated.config import FederatedConfig
+from torsh_distributed.federated.deploy import Federation
+
+pytestmark = pytest.mark.timeout(400)
+
+APP = Path(__file__).with_name("_federated_probe_app")
+
+
+def _probe(tmp_path: Path, start_method: str, *, messages: int = 2) -> list[dict[str, float]]:
+    app = tmp_path / start_method / "app"
+    shutil.copytree(APP, app)
+    result = tmp_path / start_method / "replies.json"
+    config = FederatedConfig(clients=1, run_dir=str(tmp_path / start_method / "run"))
+    lines: list[str] = []
+    fed = Federation(config, echo=lines.append, start_method=start_method)
+    with fed.running():
+        code = fed.submit(timeout=300, app=app, run_config=f'messages={messages} nodes=1 result="{result}"')
+    assert code == 0, lines
+    replies = json.loads(result.read_text())
+    assert len(replies) == messages
+    return replies
+
+
+def test_each_message_gets_a_fresh_clientapp_process_forked_with_torch_already_imported(tmp_path: Path) -> None:
+    replies = _probe(tmp_path, "forkserver")
+    assert [r["torch-before-app"] for r in replies] == [1, 1]
+    assert len({r["pid"] for r in replies}) == 2  # a process per message, as Flower's own
+    assert [r["handled"] for r in replies] == [1, 1]  # nothing of the first message's process left
+    assert all(r["named-flwr-clientapp"] and r["torch-ok"] for r in replies)
+
+
+def test_flowers_own_superexec_starts_clientapps_cold(tmp_path: Path) -> None:
+    replies = _probe(tmp_path, "spawn")
+    assert [r["torch-before-app"] for r in replies] == [0, 0]
+    assert len({r["pid"] for r in replies}) == 2
+    assert all(r["named-flwr-clientapp"] and r["torch-ok"] for r in replies)
+

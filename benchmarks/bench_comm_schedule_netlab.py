@@ -33,6 +33,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def _trace_messages(exchange: object) -> None:
+    """``SCHED_TRACE=1``: keep every message's (chunk, issued, done, bytes), readiness
+    messages (chunk -1) included, for studying the link estimate offline."""
+    import time as _time
+
+    trace: list = []
+    complete = exchange._complete  # type: ignore[attr-defined]
+
+    def traced(step, op, agreed):  # type: ignore[no-untyped-def]
+        op.work.wait()
+        done = op.done_at[0] if op.done_at else _time.perf_counter()
+        trace.append((op.chunk, op.issued, done, op.nbytes))
+        return complete(step, op, agreed)
+
+    exchange._complete = traced  # type: ignore[attr-defined]
+    exchange.trace = trace  # type: ignore[attr-defined]
+
+
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -45,6 +63,8 @@ def _worker(args: argparse.Namespace) -> None:
     from torsh_distributed.train.config import DataConfig, ModelConfig
 
     torch.set_num_threads(args.threads)
+    if os.environ.get("SCHED_SWITCH_US"):
+        sys.setswitchinterval(float(os.environ["SCHED_SWITCH_US"]) / 1e6)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mcfg = ModelConfig(
@@ -66,6 +86,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     runs: dict = {}
     base_of: dict = {}
+    phases: list = []  # (schedule, forward start, backward start, backward end) per step
     for schedule in ("fifo", "priority"):
         torch.manual_seed(0)  # the same initial weights on every rank (FSDP2 shards its own)
         base = GPT(mcfg)
@@ -87,6 +108,8 @@ def _worker(args: argparse.Namespace) -> None:
                 partition_bytes=args.partition_kb * 1024, credit_bytes=args.credit_kb * 1024,
             )  # fmt: skip
             model.bind(opt, grad_clip=args.grad_clip)
+            if os.environ.get("SCHED_TRACE") and args.zero_stage == 0:
+                _trace_messages(model._x)
         base_of[schedule] = base
         runs[schedule] = {"model": model, "opt": opt, "step": 0, "losses": [], "rounds": []}
 
@@ -98,8 +121,11 @@ def _worker(args: argparse.Namespace) -> None:
         for _ in range(steps):
             if schedule == "fifo":
                 opt.zero_grad(set_to_none=True)
+            t_fwd = time.perf_counter()
             _, loss = model(*batch(run["step"]))
+            t_bwd = time.perf_counter()
             loss.backward()
+            phases.append((schedule, t_fwd, t_bwd, time.perf_counter()))
             if schedule == "fifo":
                 if args.grad_clip:
                     torch.nn.utils.clip_grad_norm_(
@@ -131,6 +157,8 @@ def _worker(args: argparse.Namespace) -> None:
         "losses": runs["priority"]["losses"][-3:],
         "summary": summary,
         "samples": list(prio.estimator._samples) if os.environ.get("SCHED_SAMPLES") else [],
+        "trace": getattr(prio._x, "trace", []),
+        "phases": phases if os.environ.get("SCHED_TRACE") else [],
     }
     prio.close()
     if rank == 0:
@@ -234,7 +262,10 @@ def main() -> int:
     if bw and args.rate:
         print(
             f"measured link: {bw['bandwidth_mbit']:.1f} Mbit/s ({bw['bandwidth_mbit'] / args.rate:.1%}"
-            f" of the tc rate), latency {bw['latency_ms']:.2f} ms, {bw['samples']} messages"
+            f" of the tc rate), latency {bw['latency_ms']:.2f} ms, {bw['samples']} periods, "
+            f"source {bw.get('source', 'fit')}; the exchange achieved "
+            f"{res['summary'].get('achieved_mbit') or 0:.1f} Mbit/s; "
+            f"{res['summary'].get('probes', 0)} probe(s), {res['summary'].get('probe_seconds', 0)} s"
         )
     for line in res["summary"]["decisions"]:
         print(line)

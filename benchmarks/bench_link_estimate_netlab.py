@@ -35,6 +35,18 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    if args.probe:
+        from torsh_distributed.comm.link_probe import probe_group_link
+
+        probes = []
+        for _ in range(args.probe):
+            t0 = time.perf_counter()
+            link = probe_group_link(target_s=args.target_ms / 1e3)
+            probes.append({**link.to_dict(), "seconds": round(time.perf_counter() - t0, 4)})
+        if dist.get_rank() == 0:
+            Path(args.out).write_text(json.dumps({"probes": probes}))
+        dist.destroy_process_group()
+        return
     sizes = [int(s) * 1024 for s in args.sizes_kb.split(",")]
     rows = []
     for k, n, t in _measure(dist, torch, sizes, args):
@@ -79,6 +91,11 @@ def main() -> int:
     parser.add_argument("--periods", type=int, default=3, help="messages in a multi-message period")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gap-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--probe", type=int, default=0,
+        help="instead: run comm.link_probe.probe_group_link this many times and print each estimate",
+    )  # fmt: skip
+    parser.add_argument("--target-ms", type=float, default=50.0, help="--probe's target_s")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -94,7 +111,8 @@ def main() -> int:
     out = Path(tempfile.mkdtemp(prefix="torsh-link-")) / "out.json"
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     forward = [f"--sizes-kb={args.sizes_kb}", f"--periods={args.periods}",
-               f"--rounds={args.rounds}", f"--gap-ms={args.gap_ms}"]  # fmt: skip
+               f"--rounds={args.rounds}", f"--gap-ms={args.gap_ms}",
+               f"--probe={args.probe}", f"--target-ms={args.target_ms}"]  # fmt: skip
     cmd = [sys.executable, __file__, *forward, "--worker", "--out", str(out)]
     with NetLab(hosts=2, rate_mbit=args.rate, net=44) as lab:
         procs = []
@@ -112,6 +130,14 @@ def main() -> int:
     load_after = Path("/proc/loadavg").read_text().split()[:3]
     print(f"\n2 hosts x 1 rank at {args.rate:g} Mbit/s, {os.cpu_count()} CPU cores, load "
           f"{' '.join(load_before)} -> {' '.join(load_after)}\n")  # fmt: skip
+    if args.probe:
+        print("| probe | estimate Mbit/s | of the tc rate | latency ms | seconds |")
+        print("|---|---:|---:|---:|---:|")
+        for i, p in enumerate(res["probes"]):
+            print(f"| {i + 1} | {p['bandwidth_mbit']:.1f} | {p['bandwidth_mbit'] / args.rate:.1%} "
+                  f"| {p['latency_ms']:.2f} | {p['seconds']:.3f} |")  # fmt: skip
+        print("\n" + json.dumps(res))
+        return 0
     print("| periods used | estimate Mbit/s | of the tc rate | latency ms | periods |")
     print("|---|---:|---:|---:|---:|")
     for name in ("all", "<=4MiB", "<=1MiB"):

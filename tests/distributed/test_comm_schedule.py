@@ -33,7 +33,9 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, 1, dims=1)
 
 
-def _train(schedule: str, optimizer: str, clip: float, partition: int, steps: int) -> dict:
+def _train(
+    schedule: str, optimizer: str, clip: float, partition: int, steps: int, probe_every: int = 0
+) -> dict:
     from torsh_distributed.comm.dims import side_group
     from torsh_distributed.parallel.data import apply_ddp
     from torsh_distributed.parallel.priority import PriorityDataParallel
@@ -48,6 +50,7 @@ def _train(schedule: str, optimizer: str, clip: float, partition: int, steps: in
             group=side_group("priority_test"),
             partition_bytes=partition,
             credit_bytes=2 * partition,
+            probe_every=probe_every,
         )
     decay = [p for p in net.parameters() if p.dim() >= 2]
     rest = [p for p in net.parameters() if p.dim() < 2]
@@ -86,16 +89,29 @@ def _train(schedule: str, optimizer: str, clip: float, partition: int, steps: in
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("optimizer", "clip", "partition"),
-    [("adamw", 0.0, 1024), ("sgd", 0.5, 300)],
+    ("optimizer", "clip", "partition", "probe_every"),
+    [("adamw", 0.0, 1024, 0), ("sgd", 0.5, 300, 2)],
 )
-def test_priority_equals_ddp_bitwise(optimizer: str, clip: float, partition: int) -> None:
+def test_priority_equals_ddp_bitwise(
+    optimizer: str, clip: float, partition: int, probe_every: int
+) -> None:
+    """Bit for bit, with the link probes on the exchange's group in between (after step 3, and
+    with ``probe_every=2`` after step 5 too)."""
     steps = 6
     fifo = run_distributed(_train, 2, args=("fifo", optimizer, clip, partition, steps), timeout=100)
     prio = run_distributed(
-        _train, 2, args=("priority", optimizer, clip, partition, steps), timeout=100
+        _train, 2, args=("priority", optimizer, clip, partition, steps, probe_every), timeout=100
     )
     assert prio[0]["summary"]["chunks"] > 3, "the test must exercise several chunks"
+    for rank in range(2):
+        summary = prio[rank]["summary"]
+        assert summary["probes"] == (2 if probe_every else 1), summary
+        assert summary["bandwidth"]["source"] == "probe+fit", summary
+        assert summary["achieved_mbit"] > 0
+    assert (
+        prio[0]["summary"]["bandwidth"]["bandwidth_mbit"]
+        == prio[1]["summary"]["bandwidth"]["bandwidth_mbit"]
+    ), "every rank must report the same probed link"
     for rank in range(2):
         assert prio[rank]["losses"] == fifo[rank]["losses"], f"rank {rank}: losses differ"
         for name, value in fifo[rank]["state"].items():
@@ -273,3 +289,25 @@ def test_engine_priority_zero2_equals_fsdp2() -> None:
     prio = run_distributed(_engine_zero2, 2, args=("priority",), timeout=150)[0]
     assert prio[0] == fifo[0]
     assert prio[1]["zero_stage"] == 2 and prio[1]["chunks"] > 4 and fifo[1] == {}
+
+
+def _probe_twice() -> list[dict]:
+    from torsh_distributed.comm.link_probe import probe_group_link
+
+    out = [probe_group_link(target_s=0.005, reps=2).to_dict() for _ in range(2)]
+    for bad, match in (({"target_s": 0}, "target_s"), ({"reps": 0}, "reps"),
+                       ({"max_bytes": 1000}, "max_bytes")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            probe_group_link(**bad)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_probe_group_link_agrees_on_every_rank() -> None:
+    """The probe is a collective: both ranks issue the same sizes (agreed through the warm-up's
+    time) and return the same estimate, from 2 repetitions of 12 queued all-reduces."""
+    ranks = run_distributed(_probe_twice, 2, timeout=100)
+    assert ranks[0] == ranks[1]
+    for link in ranks[0]:
+        assert link["bandwidth_mbit"] > 0 and link["latency_ms"] >= 0
+        assert link["source"] == "probe" and link["sizes"] == 1 and link["samples"] == 24

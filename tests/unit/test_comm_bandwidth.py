@@ -123,3 +123,30 @@ def test_config_refuses_bad_schedule_settings() -> None:
         EngineConfig(
             comm=CommConfig(exchange_schedule="priority"), parallel=ParallelConfig(zero_stage=3)
         )
+
+
+def test_latency_fit_given_the_bandwidth_where_the_full_fit_cannot_split() -> None:
+    """Periods of equal chunks (count and bytes proportional, as the exchange makes them), each
+    shortened by a shaper's burst: the full fit has no unique split of time, but given the
+    probed bandwidth the latency is fitted (the burst goes to the per-period offset);
+    ``achieved_bytes_s`` is the bytes over seconds."""
+    est = BandwidthEstimator(world_size=2)
+    rate, alpha, chunk, burst = 1000 * MBIT, 8e-4, 1 << 20, (256 << 10) / (1000 * MBIT)
+    rng = random.Random(3)
+    counts = [rng.randint(1, 6) for _ in range(100)]
+    for k in counts:
+        seconds = alpha * k + k * chunk / rate - burst
+        est.add(k * chunk, seconds * (1 + rng.uniform(-0.01, 0.01)), messages=k)
+    blind = est.estimate()  # proportional regressors: the full fit loses the latency
+    assert blind is not None and blind.alpha_s < alpha / 2, blind
+    link = est.estimate(bandwidth_bytes_s=rate)
+    assert link is not None and link.source == "probe+fit"
+    assert link.bandwidth_mbit == pytest.approx(1000)
+    assert link.alpha_s == pytest.approx(alpha, rel=0.1)
+    achieved = est.achieved_bytes_s()
+    total = sum(counts)
+    expected = total * chunk / (total * (alpha + chunk / rate) - len(counts) * burst)
+    assert achieved is not None and achieved == pytest.approx(expected, rel=0.03)
+    with pytest.raises(ValueError, match="bandwidth_bytes_s"):
+        est.estimate(bandwidth_bytes_s=0.0)
+    assert BandwidthEstimator(world_size=2).achieved_bytes_s() is None

@@ -35,6 +35,9 @@ class LinkEstimate:
     """Messages the fit used (after dropping outliers)."""
     sizes: int
     """Distinct message sizes among them (one size cannot separate latency from bandwidth)."""
+    source: str = "fit"
+    """``fit``: both from the passive fit; ``probe``: both from :func:`~.link_probe.probe_group_link`;
+    ``probe+fit``: the bandwidth from a probe, the latency fitted on the periods."""
 
     @property
     def bandwidth_mbit(self) -> float:
@@ -48,6 +51,7 @@ class LinkEstimate:
             "latency_ms": round(self.alpha_s * 1e3, 4),
             "samples": self.samples,
             "sizes": self.sizes,
+            "source": self.source,
         }
 
 
@@ -93,8 +97,24 @@ class BandwidthEstimator:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def estimate(self) -> LinkEstimate | None:
+    def achieved_bytes_s(self) -> float | None:
+        """Bus bytes per second of the kept periods, bytes over seconds (latency included):
+        what the exchange got from the link, not what the link can give."""
+        samples = list(self._samples)
+        seconds = sum(t for _, _, t in samples)
+        if not samples or seconds <= 0:
+            return None
+        return self.bus_factor * sum(n for _, n, _ in samples) / seconds
+
+    def estimate(self, *, bandwidth_bytes_s: float | None = None) -> LinkEstimate | None:
         """The fit, or ``None`` with fewer than 4 samples or fewer than 2 distinct sizes.
+
+        With ``bandwidth_bytes_s`` (a bus bandwidth measured apart, e.g. by
+        :func:`~.link_probe.probe_group_link`) only the latency is fitted: ``alpha`` and a
+        per-period offset ``c`` minimise ``sum (t - n / B - c - alpha k)^2`` (``alpha >= 0``),
+        refitted once without the periods further than 4 median absolute deviations. This is well conditioned where the full fit is not:
+        the exchange's periods are made of similar chunks, so a period's message count and its
+        bytes are nearly proportional and the full fit cannot split time between them.
 
         Least squares, refitted once without the samples further than 4 median absolute
         deviations from the fit (a period stretched by a busy host). A fit that is not
@@ -102,6 +122,8 @@ class BandwidthEstimator:
         slope refitted) falls back to the aggregate rate with zero latency.
         """
         samples = list(self._samples)
+        if bandwidth_bytes_s is not None:
+            return self._latency_only(samples, bandwidth_bytes_s)
         if len(samples) < 4 or len({n for _, n, _ in samples}) < 2:
             return None
         fit = _fit(samples)
@@ -123,6 +145,49 @@ class BandwidthEstimator:
             samples=len(samples),
             sizes=len({n for _, n, _ in samples}),
         )
+
+    def _latency_only(
+        self, samples: list[tuple[float, float, float]], bandwidth_bytes_s: float
+    ) -> LinkEstimate:
+        if not bandwidth_bytes_s > 0:
+            raise ValueError(f"bandwidth_bytes_s must be > 0, got {bandwidth_bytes_s}")
+        slope = self.bus_factor / bandwidth_bytes_s  # seconds per byte reduced
+        rows = [(k, t - slope * n) for k, n, t in samples]  # time beyond the bytes' own
+        offset, alpha = _line(rows)
+        if len(rows) >= 4:
+            residuals = [abs(y - offset - alpha * k) for k, y in rows]
+            mad = sorted(residuals)[len(residuals) // 2]
+            kept = [
+                (s, r) for s, r in zip(samples, rows, strict=True)
+                if abs(r[1] - offset - alpha * r[0]) <= 4 * mad + 1e-12
+            ]  # fmt: skip
+            if len(kept) >= 4 and len(kept) < len(rows):
+                samples = [s for s, _ in kept]
+                offset, alpha = _line([r for _, r in kept])
+        return LinkEstimate(
+            alpha_s=alpha,
+            bandwidth_bytes_s=bandwidth_bytes_s,
+            samples=len(samples),
+            sizes=len({n for _, n, _ in samples}),
+            source="probe+fit" if samples else "probe",
+        )
+
+
+def _line(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(offset, alpha)`` of ``y = offset + alpha * k`` by least squares, ``alpha >= 0``.
+
+    The offset is a per-period constant: the start-up of a period, less what a shaper's
+    bucket, refilled in the idle gap before it, lets through at once (negative at 100 Mbit
+    behind ``tbf``'s 256 KiB burst). Without it the burst would read as a smaller latency."""
+    if not rows:
+        return 0.0, 0.0
+    mean_k = sum(k for k, _ in rows) / len(rows)
+    mean_y = sum(y for _, y in rows) / len(rows)
+    var = sum((k - mean_k) ** 2 for k, _ in rows)
+    alpha = sum((k - mean_k) * (y - mean_y) for k, y in rows) / var if var > 0 else 0.0
+    if var == 0 or alpha < 0:  # one count only, or no cost per message: all in the offset
+        alpha = max(mean_y / mean_k, 0.0) if var == 0 and mean_k else 0.0
+    return mean_y - alpha * mean_k, alpha
 
 
 def _fit(samples: list[tuple[float, float, float]]) -> tuple[float, float] | None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torsh_distributed.comm.bandwidth import BandwidthEstimator, LinkEstimate, choose_partition
+from torsh_distributed.comm.link_probe import probe_group_link
 from torsh_distributed.parallel._chunks import ChunkLayout, plan_chunks
 
 __all__ = ["AUTO_AFTER_STEPS", "DEFAULT_PARTITION", "Exchange", "Op", "Step"]
@@ -55,8 +56,12 @@ class Exchange:
         partition_bytes: int,
         credit_bytes: int,
         log: Callable[[str], None],
+        probe: bool = True,
+        probe_every: int = 0,
     ) -> None:
         self.params, self.group, self.log = params, group, log
+        self.probe, self.probe_every = probe, probe_every
+        self.probed: LinkEstimate | None = None  # the last probe_group_link()
         self.world = dist.get_world_size(group)
         self.main = dist.get_rank(group) == 0
         self.elem = params[0].element_size()
@@ -76,6 +81,7 @@ class Exchange:
         self.state = "idle"  # idle -> armed (forward done) -> submitted (backward done) -> idle
         self.step: Step | None = None
         self.steps = 0
+        self.probes, self.probe_seconds = 0, 0.0
         self.cond = threading.Condition()
         self.idle = threading.Event()
         self.idle.set()
@@ -191,6 +197,7 @@ class Exchange:
 
     def summary(self) -> dict[str, Any]:
         link = self.link
+        achieved = self.estimator.achieved_bytes_s()
         return {
             "schedule": "priority",
             "zero_stage": 0,
@@ -198,6 +205,9 @@ class Exchange:
             "credit_kb": self.credit // 1024,
             "chunks": len(self.layout),
             "bandwidth": link.to_dict() if link is not None else {},
+            "achieved_mbit": round(achieved * 8 / 1e6, 3) if achieved else None,
+            "probes": self.probes,
+            "probe_seconds": round(self.probe_seconds, 3),
             "decisions": list(self.decisions),
         }
 
@@ -210,8 +220,12 @@ class Exchange:
                 return
             try:
                 self._exchange(step)
-                self.link = self.estimator.estimate()  # here: the thread owns the samples
                 self.steps += 1
+                if self._probe_due():
+                    self._probe()
+                probed = self.probed.bandwidth_bytes_s if self.probed is not None else None
+                # here: the thread owns the samples
+                self.link = self.estimator.estimate(bandwidth_bytes_s=probed)
                 if self.steps == AUTO_AFTER_STEPS and any(self.auto):
                     self._decide()
             except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
@@ -221,12 +235,37 @@ class Exchange:
             finally:
                 self.idle.set()
 
+    def _probe_due(self) -> bool:
+        """After step 3 (before ``auto`` decides) and every ``probe_every`` steps after it: the
+        same steps on every rank, so every rank's thread issues the probe at the same point of
+        the group's order of collectives."""
+        if not self.probe or self.world < 2 or self.steps < AUTO_AFTER_STEPS:
+            return False
+        after = self.steps - AUTO_AFTER_STEPS
+        return after == 0 or (self.probe_every > 0 and after % self.probe_every == 0)
+
+    def _probe(self) -> None:
+        start = time.perf_counter()
+        self.probed = probe_group_link(self.group, device=self.params[0].device)
+        took = time.perf_counter() - start
+        self.probe_seconds += took
+        if self.probes < 3:  # the first ones; later probes are in the summary
+            self.decisions.append(
+                f"probe after step {self.steps}: link {self.probed.bandwidth_mbit:.1f} Mbit/s "
+                f"({took:.2f} s)"
+            )
+        self.probes += 1
+
     def _exchange(self, step: Step) -> None:
         layout, n = self.layout, len(self.layout)
         sent, agreed = [False] * n, [False] * n
         inflight: deque[Op] = deque()
         inflight_bytes, completed, done_params = 0, 0, []
+        pending: list[int] = []  # reduced, not yet updated: the step's lr is known at submit()
         while completed < n:
+            if pending and step.submitted.is_set():
+                self._update(step, pending, clip=False)
+                pending = []
             nxt = next((c for c in range(n) if agreed[c] and not sent[c]), -1)
             size = layout.sizes[nxt] * self.elem if nxt >= 0 else 0
             if nxt >= 0 and (not inflight or inflight_bytes + size <= self.credit):
@@ -237,7 +276,8 @@ class Exchange:
             if inflight:
                 op = inflight.popleft()
                 inflight_bytes -= op.nbytes - n * self.elem
-                done_params += self._complete(step, op, agreed)
+                finished = self._complete(step, op, agreed)
+                (done_params if self.grad_clip else pending).extend(finished)
                 completed += 1
                 continue
             with self.cond:  # nothing agreed to send: wait for a new chunk here, then ask
@@ -246,6 +286,8 @@ class Exchange:
                 if self.closing:
                     raise RuntimeError("closed during an exchange")
             self._complete(step, self._issue(step, -1), agreed)
+        if pending:  # waits for submit(): backward may still be running
+            self._update(step, pending, clip=False)
         if self.grad_clip:
             self._update(step, done_params, clip=True)
         self._measure()
@@ -321,8 +363,6 @@ class Exchange:
             step.left[piece.param] -= 1
             if step.left[piece.param] == 0:
                 finished.append(piece.param)
-        if finished and not self.grad_clip:
-            self._update(step, finished, clip=False)
         return finished
 
     def _update(self, step: Step, indices: list[int], *, clip: bool) -> None:

@@ -80,6 +80,13 @@ class PriorityDataParallel(nn.Module):
             the model), then all-gather the updated chunk at the same priority
             (:mod:`._priority_zero`; no gradient clipping; ``partition_bytes`` stays fixed,
             1 MiB when 0).
+        probe: Measure the link's bandwidth with :func:`~torsh_distributed.comm.link_probe.
+            probe_group_link` after step 3 (a few all-reduces on ``group`` from the exchange's thread,
+            0.3-0.6 s of link time, overlapping the next step's compute); the per-message
+            latency is then fitted on the exchange's own periods. ``False``: the passive fit
+            alone (both from the periods; unreliable where the exchange is not link-bound).
+        probe_every: Probe again every this many steps after the first (0 = once), to follow
+            a link whose rate changes.
         log: Where rank 0 reports the ``auto`` decision (``print`` by default).
     """
 
@@ -92,6 +99,8 @@ class PriorityDataParallel(nn.Module):
         credit_bytes: int = 0,
         init_sync: bool = True,
         zero_stage: int = 0,
+        probe: bool = True,
+        probe_every: int = 0,
         log: Callable[[str], None] = print,
     ) -> None:
         super().__init__()
@@ -110,9 +119,17 @@ class PriorityDataParallel(nn.Module):
             raise ValueError(
                 f"PriorityDataParallel implements zero_stage 0 and 2, got {zero_stage}"
             )
+        if probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0 (0 = once), got {probe_every}")
         exchange = ShardedExchange if zero_stage == 2 else Exchange
         self._x = exchange(
-            params, group=group, partition_bytes=partition_bytes, credit_bytes=credit_bytes, log=log
+            params,
+            group=group,
+            partition_bytes=partition_bytes,
+            credit_bytes=credit_bytes,
+            log=log,
+            probe=probe,
+            probe_every=probe_every,
         )
         self.zero_stage = zero_stage
         if init_sync:
@@ -170,7 +187,9 @@ class PriorityDataParallel(nn.Module):
         return self._x.grad_norm
 
     def summary(self) -> dict[str, Any]:
-        """``schedule``, ``partition_kb``, ``credit_kb``, ``bandwidth`` (the link fit), ``decisions``."""
+        """``schedule``, ``partition_kb``, ``credit_kb``, ``bandwidth`` (the link: the probe's
+        bandwidth and the fitted latency, ``source`` says which), ``achieved_mbit`` (what the
+        exchange's periods got from the link), ``probes``, ``probe_seconds``, ``decisions``."""
         return self._x.summary()
 
     def close(self) -> None:

@@ -44,8 +44,9 @@ TOY = HERE / "_federated_toy.py"
 SERVER = HERE / "_federated_secagg_server.py"
 STAGE_TIMEOUT = min(120.0, 15.0 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
 """Seconds each stage waits. The stage after the kill waits this long for the dead client, so it
-is short (15 s) on a quiet machine; each stage starts a ClientApp process per client (torch
-imported 5 times at once), so it grows with the load other work puts on the cores."""
+is short (15 s) on a quiet machine; each stage starts a ClientApp process per client (forked
+from a warm forkserver by default, a fresh interpreter importing torch under ``spawn``), so it
+grows with the load other work puts on the cores."""
 
 _PYPROJECT = deploy._APP_PYPROJECT.replace(
     'serverapp = "torsh_distributed.federated.apps:server_app"',

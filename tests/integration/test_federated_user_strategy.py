@@ -17,8 +17,9 @@ from torsh_distributed.federated.config import ClientConfig, FederatedConfig, Ta
 from torsh_distributed.federated.deploy import Federation
 from torsh_distributed.federated.task import Task, evaluate
 
-# generous: every client's train and evaluate message starts a ClientApp process that imports torch
-# (a round took 15 s quiet and ~50 s beside a 2-rank training job and other tests)
+# generous: every client's train and evaluate message starts a ClientApp process (forked from a
+# warm forkserver; a fresh interpreter importing torch under spawn); a round took 15 s quiet and
+# ~50 s beside a 2-rank training job and other tests before ClientApps were forked
 pytestmark = pytest.mark.timeout(900)
 
 HERE = Path(__file__).parent

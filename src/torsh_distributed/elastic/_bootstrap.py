@@ -26,7 +26,6 @@ signal and the launcher reports the interruption once.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import json
 import os
@@ -176,19 +175,11 @@ def run_worker(launcher_env: dict[str, str], cwd: str, argv: list[str]) -> None:
     _warm.set_title([sys.executable, "-u", "-m", __name__.rpartition(".")[0] + "._bootstrap", *argv])
     _warm.adopt_environment(launcher_env)
     os.chdir(cwd)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
-        except (AttributeError, ValueError):
-            pass
+    _warm.line_buffered_output()
     if argv and argv[0] == "-m" and not sys.flags.safe_path and sys.path:
         sys.path[0] = cwd  # `python -m` puts the working directory first
-    try:
+    with _warm.exit_handlers_at_end():  # the script's, e.g. a tracker's final flush
         code = main(argv)
-    finally:
-        # a forked process ends with os._exit, which skips atexit: run the handlers here, as a
-        # fresh interpreter does at its end (the script's, e.g. a tracker's final flush)
-        atexit._run_exitfuncs()
     if code:
         raise SystemExit(code)
 

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from torsh_distributed.elastic._warm import START_METHODS
+from torsh_distributed.elastic._warm import check_start_method
 
 __all__ = [
     "LaunchOptions", "parse_nnodes", "RDZV_BACKENDS", "RDZV_CONF_KEYS", "DEFAULT_C10D_PORT",
@@ -127,10 +127,7 @@ class LaunchOptions:
 
     def __post_init__(self) -> None:
         _check_int("nproc_per_node", self.nproc_per_node, low=1)
-        if self.start_method not in START_METHODS:
-            raise ValueError(
-                f"start_method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}"
-            )
+        check_start_method(self.start_method)
         if not isinstance(self.nnodes, str):
             raise TypeError(
                 f"nnodes must be a str ('N' or 'MIN:MAX'), got {type(self.nnodes).__name__}"

@@ -30,17 +30,45 @@ This module imports nothing heavy: the launcher calls :func:`prestart` before it
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 __all__ = [
-    "BASE_ENV", "START_METHODS", "adopt_environment", "prestart", "preload_for", "set_title",
+    "BASE_ENV", "START_METHODS", "adopt_environment", "check_start_method", "exit_handlers_at_end",
+    "line_buffered_output", "prestart", "preload_for", "set_title",
 ]
 
 START_METHODS = ("forkserver", "spawn")
 """``forkserver``: workers fork from a process that preloaded torch (the default). ``spawn``: one
 fresh interpreter per worker (``python -u -m ...``), as torchrun starts a script."""
+
+
+def check_start_method(value: str) -> None:
+    """Raise ``ValueError`` naming the choices unless ``value`` is one of :data:`START_METHODS`."""
+    if value not in START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {value!r}")
+
+
+def line_buffered_output() -> None:
+    """In a forked process: stdout and stderr line by line with write-through, as a fresh
+    ``python -u`` process's (streams that cannot be reconfigured are left alone)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def exit_handlers_at_end() -> Iterator[None]:
+    """In a forked process: run the ``atexit`` handlers when the body ends, however it ends, as a
+    fresh interpreter does at its end (a forked process leaves through ``os._exit``, which skips
+    them: a user's or a tracker's final flush would be lost)."""
+    try:
+        yield
+    finally:
+        atexit._run_exitfuncs()
+
 
 BASE_ENV: dict[str, str] = dict(os.environ)
 """The environment of the process that imported this module first: in a worker forked from the

@@ -44,7 +44,6 @@ forkserver starts first and imports while Flower's SuperExec is being imported h
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import logging
 import os
@@ -103,18 +102,12 @@ def run_clientapp(argv: list[str], quiet: bool) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-    for stream in (sys.stdout, sys.stderr):  # as a fresh process's output, line by line
-        with contextlib.suppress(AttributeError, ValueError):
-            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    _warm.line_buffered_output()
     sys.argv = list(argv)  # argparse and Flower's exit telemetry read it
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 
-    try:
+    with _warm.exit_handlers_at_end():  # a user's ClientApp's final flush
         flwr_clientapp()
-    finally:
-        # a forked process ends with os._exit, which skips atexit: run the handlers here, as a
-        # fresh interpreter does at its end (a user's ClientApp's final flush), as _bootstrap does
-        atexit._run_exitfuncs()
 
 
 class ForkserverExecutor:

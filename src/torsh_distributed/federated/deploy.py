@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from torsh_distributed.elastic._warm import START_METHODS
+from torsh_distributed.elastic._warm import check_start_method
 from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
 from torsh_distributed.runtime.busy import scaled_start_timeout
@@ -106,8 +106,7 @@ def supernode_command(
     Raises:
         ValueError: an unknown ``start_method``.
     """
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    check_start_method(start_method)
     node = [
         _bin("flower-supernode"), "--insecure", "--superlink", superlink,
         "--host", host, "--port", str(port),
@@ -259,8 +258,7 @@ class Federation:
     """Ports of the SuperLinks and SuperNodes started here (their app processes name them)."""
 
     def __post_init__(self) -> None:
-        if self.start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}")
+        check_start_method(self.start_method)
         # the ServerApp and the clients run in other directories: paths must not be relative
         self.config = dataclasses.replace(self.config, run_dir=str(Path(self.config.run_dir).resolve()))
         if not _is_loopback(self.host) and not self.token:

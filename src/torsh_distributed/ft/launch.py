@@ -167,10 +167,7 @@ def launch_groups(
     Raises:
         ValueError: ``nproc`` is not a multiple of the groups, or an unknown ``start_method``.
     """
-    if start_method not in _warm.START_METHODS:
-        raise ValueError(
-            f"start_method must be one of {', '.join(_warm.START_METHODS)}, got {start_method!r}"
-        )
+    _warm.check_start_method(start_method)
     warm = start_method == "forkserver" and bool(argv) and argv[0] == sys.executable
     if warm:  # usually started by the CLI already, before it imported torch
         _warm.prestart(_warm.preload_for("torsh_distributed.train", ft=True))

@@ -98,8 +98,9 @@ class BandwidthEstimator:
         return len(self._samples)
 
     def achieved_bytes_s(self) -> float | None:
-        """Bus bytes per second of the kept periods, bytes over seconds (latency included):
-        what the exchange got from the link, not what the link can give."""
+        """Bus bytes per second of the periods in the window, bytes over seconds (latency
+        included, no outlier dropped): what the exchange got from the link, not what the link
+        can give; ``None`` without periods."""
         samples = list(self._samples)
         seconds = sum(t for _, _, t in samples)
         if not samples or seconds <= 0:
@@ -107,7 +108,8 @@ class BandwidthEstimator:
         return self.bus_factor * sum(n for _, n, _ in samples) / seconds
 
     def estimate(self, *, bandwidth_bytes_s: float | None = None) -> LinkEstimate | None:
-        """The fit, or ``None`` with fewer than 4 samples or fewer than 2 distinct sizes.
+        """The fit, or ``None`` with fewer than 4 samples or fewer than 2 distinct sizes (the
+        full fit only; with ``bandwidth_bytes_s`` there is always an estimate).
 
         With ``bandwidth_bytes_s`` (a bus bandwidth measured apart, e.g. by
         :func:`~.link_probe.probe_group_link`) only the latency is fitted: ``alpha`` and a
@@ -185,8 +187,10 @@ def _line(rows: list[tuple[float, float]]) -> tuple[float, float]:
     mean_y = sum(y for _, y in rows) / len(rows)
     var = sum((k - mean_k) ** 2 for k, _ in rows)
     alpha = sum((k - mean_k) * (y - mean_y) for k, y in rows) / var if var > 0 else 0.0
-    if var == 0 or alpha < 0:  # one count only, or no cost per message: all in the offset
-        alpha = max(mean_y / mean_k, 0.0) if var == 0 and mean_k else 0.0
+    if var == 0:  # one count only: offset and alpha cannot be told apart; all in alpha
+        alpha = max(mean_y / mean_k, 0.0) if mean_k else 0.0
+    elif alpha < 0:  # no cost per message: all in the offset
+        alpha = 0.0
     return mean_y - alpha * mean_k, alpha
 
 

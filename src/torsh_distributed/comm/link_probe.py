@@ -91,10 +91,10 @@ def probe_group_link(
     for _ in range(reps):
         stamps: list[float] = []
         works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs]
-        for work in works:  # they end in order (two at a time): each wait returns near its end
+        for work, buf in zip(works, bufs, strict=True):  # they end in order (two at a time)
             work.wait()
+            _sync(buf)  # on CUDA wait() only orders streams: wait for the kernel itself
             stamps.append(time.perf_counter())
-        _sync(bufs[-1])
         per_message.append(_slope(stamps[_SKIP:]))
     mine = sorted(per_message)[len(per_message) // 2]
     both = torch.tensor([mine, float(warm.item())], dtype=torch.float64, device=device)

@@ -223,9 +223,15 @@ class Exchange:
                 self.steps += 1
                 if self._probe_due():
                     self._probe()
-                probed = self.probed.bandwidth_bytes_s if self.probed is not None else None
                 # here: the thread owns the samples
-                self.link = self.estimator.estimate(bandwidth_bytes_s=probed)
+                if self.probed is None:
+                    self.link = self.estimator.estimate()
+                elif len(self.estimator):
+                    self.link = self.estimator.estimate(
+                        bandwidth_bytes_s=self.probed.bandwidth_bytes_s
+                    )
+                else:  # no period yet: the probe's own figures
+                    self.link = self.probed
                 if self.steps == AUTO_AFTER_STEPS and any(self.auto):
                     self._decide()
             except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
@@ -246,7 +252,11 @@ class Exchange:
 
     def _probe(self) -> None:
         start = time.perf_counter()
-        self.probed = probe_group_link(self.group, device=self.params[0].device)
+        try:
+            self.probed = probe_group_link(self.group, device=self.params[0].device)
+        except RuntimeError as exc:  # its own check, raised on every rank after the same ops
+            self.decisions.append(f"probe after step {self.steps} failed ({exc}): passive fit")
+            return
         took = time.perf_counter() - start
         self.probe_seconds += took
         if self.probes < 3:  # the first ones; later probes are in the summary

@@ -81,8 +81,8 @@ class PriorityDataParallel(nn.Module):
             (:mod:`._priority_zero`; no gradient clipping; ``partition_bytes`` stays fixed,
             1 MiB when 0).
         probe: Measure the link's bandwidth with :func:`~torsh_distributed.comm.link_probe.
-            probe_group_link` after step 3 (a few all-reduces on ``group`` from the exchange's thread,
-            0.3-0.6 s of link time, overlapping the next step's compute); the per-message
+            probe_group_link` after step 3 (36 all-reduces on ``group`` from the exchange's
+            thread, 0.1-0.5 s of link time, overlapping the next forward only); the per-message
             latency is then fitted on the exchange's own periods. ``False``: the passive fit
             alone (both from the periods; unreliable where the exchange is not link-bound).
         probe_every: Probe again every this many steps after the first (0 = once), to follow

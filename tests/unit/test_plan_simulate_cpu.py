@@ -124,6 +124,27 @@ def test_without_streams_zero3_collectives_block_the_compute() -> None:
     assert overlapped.step_s < blocking.step_s
 
 
+def test_measured_fsdp_overhead_is_added_per_unit_and_pass() -> None:
+    """A profile's ``fsdp_forward_s`` / ``fsdp_backward_s`` (FSDP2's own cost per unit beyond
+    its compute and bytes, measured at world >= 2) add once per layer in each pass, and nowhere
+    but ZeRO-3 without streams; bad values are refused in one line."""
+    cfg = _cpu_cfg()
+    lay = SimLayout(micro_batch=8, zero_stage=3, backend="gloo")
+    prof = _profile(cfg, [lay], gemm_s=2e-3)
+    base = simulate(cfg, lay, device=from_dict(prof))
+    measured = from_dict({**prof, "fsdp_forward_s": 0.01, "fsdp_backward_s": 0.03})
+    assert measured.fsdp_forward_s == 0.01 and measured.fsdp_backward_s == 0.03
+    more = simulate(cfg, lay, device=measured)
+    assert more.step_s - base.step_s == pytest.approx(cfg.layers * 0.04, rel=1e-9)
+    ddp = SimLayout(micro_batch=8, backend="gloo")
+    assert (
+        simulate(cfg, ddp, device=measured).step_s
+        == simulate(cfg, ddp, device=from_dict(prof)).step_s
+    )
+    with pytest.raises(ValueError, match="fsdp_forward_s and fsdp_backward_s must be >= 0"):
+        from_dict({**prof, "fsdp_forward_s": -1})
+
+
 def test_gloo_reduce_scatter_costs_an_all_reduce() -> None:
     cfg = _cpu_cfg()
     nccl, gloo = Network(cfg), Network(cfg, backend="gloo")

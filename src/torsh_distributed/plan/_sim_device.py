@@ -66,6 +66,12 @@ class DeviceModel:
     backend's threads, overlapped)."""
     measured: Mapping[str, float] = field(default_factory=dict)
     """Measured seconds of GEMMs by :func:`gemm_key`; a shape not in it uses the roofline."""
+    fsdp_forward_s: float = 0.0
+    """Without streams: FSDP2's own seconds per unit in a forward beyond the unit's compute and
+    its all-gather's bytes (copies in and out, DTensor dispatch, hooks, waiting for the peer at
+    each blocking collective), measured at world size >= 2 (``device_profile``); 0 = none."""
+    fsdp_backward_s: float = 0.0
+    """The same for a unit's backward and its share of the optimizer step on DTensor shards."""
     optimizer_per_param: float = 0.0
     """Measured seconds of the optimizer step (gradient clipping included) per local parameter;
     0 = memory-bound, its bytes at the element-wise rate."""

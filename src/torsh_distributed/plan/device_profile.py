@@ -15,7 +15,17 @@ kernel times, simulated communication and schedule):
 * fused attention (``scaled_dot_product_attention``, causal): its rate against the fastest GEMM
   (``attn_eff``) and its backward over its forward;
 * the optimizer step as the engine runs it (gradient clipping + ``AdamW(foreach=True)``) per
-  parameter.
+  parameter;
+* for ZeRO-3 layouts, when :func:`time_kernels` runs in the ranks of a process group of two or
+  more (``benchmarks/bench_sim_netlab.py`` times them in place; :func:`measure`'s copies form
+  no group and leave it 0): FSDP2's own cost per unit, one transformer block's
+  linear layers and norms at the first layout's micro-batch, ``fully_shard``-ed as the engine's
+  ZeRO-3 does (``reshard_after_forward=True``) against the same block unsharded, less a raw
+  all-gather and reduce-scatter of its bytes: copies in and out of FSDP2's buffers, DTensor
+  dispatch, hooks, the optimizer step on DTensor shards, and the wait for the peer at each of
+  its blocking collectives (on a CPU, where FSDP2 has no streams). The simulator adds it per
+  unit in forward and in backward (``fsdp_forward_s``, ``fsdp_backward_s``); the link's time
+  comes from the network model as before.
 
 ``processes`` copies time the same kernels at once, started together at every kernel: where the
 simulated devices are ranks sharing one host's cores, each runs at the shared rate. Per kernel
@@ -149,7 +159,84 @@ def time_kernels(spec: dict[str, Any], sync: Any) -> dict[str, Any]:
         optim.step()
 
     out["optimizer_s"] = timed(step)
+    if spec.get("fsdp"):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            out.update(_time_fsdp_unit(spec, timed, dtype))
     return out
+
+
+class _Block:
+    """One transformer block's parameters (4 linear layers with biases, 2 layer norms) and a
+    forward that uses each once: the unit FSDP2 wraps in the engine's ZeRO-3."""
+
+    @staticmethod
+    def build(h: int, ffn: int, dtype: Any) -> Any:
+        import torch
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.n1, self.n2 = nn.LayerNorm(h), nn.LayerNorm(h)
+                self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+                self.fc, self.out = nn.Linear(h, ffn), nn.Linear(ffn, h)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                x = x + self.proj(self.qkv(self.n1(x))[..., :h])
+                return x + self.out(torch.nn.functional.gelu(self.fc(self.n2(x))))
+
+        return Block().to(dtype)
+
+
+def _time_fsdp_unit(spec: dict[str, Any], timed: Any, dtype: Any) -> dict[str, float]:
+    """FSDP2's own seconds per unit, forward and backward (module docstring); in a process group
+    of >= 2 ranks, every rank calling it."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tokens, h, ffn = spec["tokens"], spec["hidden"], spec["ffn"]
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    plain = _Block.build(h, ffn, dtype)
+    sharded = copy.deepcopy(plain)
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=True)
+    x = torch.randn(tokens, h, dtype=dtype)
+
+    def fwd(module: Any) -> Any:
+        return lambda: module(x).sum().detach()
+
+    def step(module: Any, optim: Any) -> Any:
+        def run() -> None:
+            module(x).sum().backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+
+        return run
+
+    adam = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-6, foreach=True)  # noqa: E731
+    numel = sum(p.numel() for p in plain.parameters())
+    per_rank = -(-numel // world)
+    shard = torch.zeros(per_rank, dtype=dtype)
+    full = torch.zeros(per_rank * world, dtype=dtype)
+    gathered = timed(lambda: dist.all_gather_single(full, shard))
+    scattered = timed(lambda: dist.reduce_scatter_single(shard, full))
+    f_plain, f_sharded = timed(fwd(plain)), timed(fwd(sharded))
+    s_plain, s_sharded = timed(step(plain, adam(plain))), timed(step(sharded, adam(sharded)))
+    forward = max(f_sharded - f_plain - gathered, 0.0)
+    # a unit's backward gathers again and reduce-scatters; its forward is in both step times
+    backward = max(s_sharded - s_plain - 2 * gathered - scattered - forward, 0.0)
+    return {
+        "fsdp_forward_s": forward,
+        "fsdp_backward_s": backward,
+        "fsdp_raw_gather_s": gathered,
+        "fsdp_raw_scatter_s": scattered,
+    }
 
 
 def _worker(rank: int, barrier: Any, queue: Any, spec: dict[str, Any]) -> None:
@@ -180,6 +267,7 @@ def kernel_spec(
         "ffn": lay.ffn_hidden or 4 * cfg.hidden,
         "attention": (lay.micro_batch, cfg.heads, cfg.seq_len, cfg.hidden // cfg.heads),
         "optimizer_tensors": [cfg.hidden * cfg.hidden] * 4 + [cfg.hidden] * 8,
+        "fsdp": any(lay.zero_stage == 3 for lay in layouts),
     }
 
 
@@ -209,6 +297,11 @@ def summarise(
         "attn_eff": min(1.0, b * heads * 2.0 * s * s * d / flash_f / peak),
         "flash_backward": max(0.0, (flash_fb - flash_f) / flash_f),
         "optimizer_per_param": mean(lambda r: r["optimizer_s"]) / sum(spec["optimizer_tensors"]),
+        **{
+            key: mean(lambda r, key=key: r[key])
+            for key in ("fsdp_forward_s", "fsdp_backward_s", "fsdp_raw_gather_s")
+            if all(key in r for r in results)
+        },
         "measured": gemm,
         "source": source,
         "dtype": dtype,
@@ -292,6 +385,12 @@ def from_dict(data: dict[str, Any]) -> DeviceModel:
         raise ValueError(f"device profile: {exc}") from None
     if min(values["peak_flops"], values["hbm_bw"], values["attn_eff"]) <= 0:
         raise ValueError("device profile: peak_flops, hbm_bw and attn_eff must be > 0")
+    try:
+        fsdp = {k: float(data.get(k, 0.0)) for k in ("fsdp_forward_s", "fsdp_backward_s")}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"device profile: {exc}") from None
+    if min(fsdp.values()) < 0:
+        raise ValueError("device profile: fsdp_forward_s and fsdp_backward_s must be >= 0")
     base = DeviceModel(name=str(data.get("name", "cpu")), peak_flops=1.0, hbm_bw=1.0, sms=1)
     return replace(
         base,
@@ -302,6 +401,7 @@ def from_dict(data: dict[str, Any]) -> DeviceModel:
         measured=measured,
         source=str(data.get("source", "")),
         **values,
+        **fsdp,
     )
 
 

@@ -305,6 +305,7 @@ def simulate(
     ) -> float:
         forward = ps.kind == "F"
         layer_s = (cost.f if forward else cost.b) + gather + (0.0 if forward else scatter)
+        layer_s += dev.fsdp_forward_s if forward else dev.fsdp_backward_s  # measured, CPU
         t = start + layers * layer_s
         if last:
             t += head_f if forward else head_b

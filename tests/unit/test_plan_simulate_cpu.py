@@ -126,22 +126,23 @@ def test_without_streams_zero3_collectives_block_the_compute() -> None:
 
 def test_measured_fsdp_overhead_is_added_per_unit_and_pass() -> None:
     """A profile's ``fsdp_forward_s`` / ``fsdp_backward_s`` (FSDP2's own cost per unit beyond
-    its compute and bytes, measured at world >= 2) add once per layer in each pass, and nowhere
-    but ZeRO-3 without streams; bad values are refused in one line."""
+    its compute and bytes, measured at world >= 2) add once per layer in each pass (so per
+    micro-batch), ``fsdp_optimizer_s`` once per layer and step; nowhere but ZeRO-3 without
+    streams; bad values are refused in one line."""
     cfg = _cpu_cfg()
-    lay = SimLayout(micro_batch=8, zero_stage=3, backend="gloo")
-    prof = _profile(cfg, [lay], gemm_s=2e-3)
-    base = simulate(cfg, lay, device=from_dict(prof))
-    measured = from_dict({**prof, "fsdp_forward_s": 0.01, "fsdp_backward_s": 0.03})
-    assert measured.fsdp_forward_s == 0.01 and measured.fsdp_backward_s == 0.03
-    more = simulate(cfg, lay, device=measured)
-    assert more.step_s - base.step_s == pytest.approx(cfg.layers * 0.04, rel=1e-9)
+    extra = {"fsdp_forward_s": 0.01, "fsdp_backward_s": 0.03, "fsdp_optimizer_s": 0.005}
+    for micro, passes in ((8, 1), (4, 2)):  # global batch 16 on 2 replicas: 1 or 2 micro-batches
+        lay = SimLayout(micro_batch=micro, zero_stage=3, backend="gloo")
+        prof = _profile(cfg, [lay], gemm_s=2e-3)
+        base = simulate(cfg, lay, device=from_dict(prof))
+        more = simulate(cfg, lay, device=from_dict({**prof, **extra}))
+        expected = cfg.layers * (passes * 0.04 + 0.005)
+        assert more.step_s - base.step_s == pytest.approx(expected, rel=1e-9)
     ddp = SimLayout(micro_batch=8, backend="gloo")
-    assert (
-        simulate(cfg, ddp, device=measured).step_s
-        == simulate(cfg, ddp, device=from_dict(prof)).step_s
-    )
-    with pytest.raises(ValueError, match="fsdp_forward_s and fsdp_backward_s must be >= 0"):
+    prof = _profile(cfg, [ddp], gemm_s=2e-3)
+    plain = simulate(cfg, ddp, device=from_dict(prof))
+    assert simulate(cfg, ddp, device=from_dict({**prof, **extra})).step_s == plain.step_s
+    with pytest.raises(ValueError, match="fsdp_forward_s, fsdp_backward_s, fsdp_optimizer_s"):
         from_dict({**prof, "fsdp_forward_s": -1})
 
 

@@ -71,7 +71,11 @@ class DeviceModel:
     its all-gather's bytes (copies in and out, DTensor dispatch, hooks, waiting for the peer at
     each blocking collective), measured at world size >= 2 (``device_profile``); 0 = none."""
     fsdp_backward_s: float = 0.0
-    """The same for a unit's backward and its share of the optimizer step on DTensor shards."""
+    """The same for a unit's backward (its second all-gather and its reduce-scatter's bytes
+    excluded)."""
+    fsdp_optimizer_s: float = 0.0
+    """The optimizer step on one unit's DTensor shards beyond a plain step of as many
+    parameters, once per step."""
     optimizer_per_param: float = 0.0
     """Measured seconds of the optimizer step (gradient clipping included) per local parameter;
     0 = memory-bound, its bytes at the element-wise rate."""

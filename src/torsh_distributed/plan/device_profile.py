@@ -25,7 +25,8 @@ kernel times, simulated communication and schedule):
   dispatch, hooks, the optimizer step on DTensor shards, and the wait for the peer at each of
   its blocking collectives (on a CPU, where FSDP2 has no streams). The simulator adds it per
   unit in forward and in backward (``fsdp_forward_s``, ``fsdp_backward_s``); the link's time
-  comes from the network model as before.
+  comes from the network model as before. The optimizer step on the unit's DTensor shards,
+  beyond a plain step of as many parameters, is added once per step (``fsdp_optimizer_s``).
 
 ``processes`` copies time the same kernels at once, started together at every kernel: where the
 simulated devices are ranks sharing one host's cores, each runs at the shared rate. Per kernel
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 _FIELDS = ("peak_flops", "hbm_bw", "attn_eff", "flash_backward", "optimizer_per_param")
+_FSDP_FIELDS = ("fsdp_forward_s", "fsdp_backward_s", "fsdp_optimizer_s")
 
 
 class _Recording(dict):  # type: ignore[type-arg]
@@ -167,32 +169,31 @@ def time_kernels(spec: dict[str, Any], sync: Any) -> dict[str, Any]:
     return out
 
 
-class _Block:
+def _block(h: int, ffn: int, dtype: Any) -> Any:
     """One transformer block's parameters (4 linear layers with biases, 2 layer norms) and a
     forward that uses each once: the unit FSDP2 wraps in the engine's ZeRO-3."""
+    import torch
+    from torch import nn
 
-    @staticmethod
-    def build(h: int, ffn: int, dtype: Any) -> Any:
-        import torch
-        from torch import nn
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n1, self.n2 = nn.LayerNorm(h), nn.LayerNorm(h)
+            self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+            self.fc, self.out = nn.Linear(h, ffn), nn.Linear(ffn, h)
 
-        class Block(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.n1, self.n2 = nn.LayerNorm(h), nn.LayerNorm(h)
-                self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-                self.fc, self.out = nn.Linear(h, ffn), nn.Linear(ffn, h)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.proj(self.qkv(self.n1(x))[..., :h])
+            return x + self.out(torch.nn.functional.gelu(self.fc(self.n2(x))))
 
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                x = x + self.proj(self.qkv(self.n1(x))[..., :h])
-                return x + self.out(torch.nn.functional.gelu(self.fc(self.n2(x))))
-
-        return Block().to(dtype)
+    return Block().to(dtype)
 
 
 def _time_fsdp_unit(spec: dict[str, Any], timed: Any, dtype: Any) -> dict[str, float]:
-    """FSDP2's own seconds per unit, forward and backward (module docstring); in a process group
-    of >= 2 ranks, every rank calling it."""
+    """FSDP2's own seconds per unit: forward, backward and the optimizer step (module
+    docstring); in a process group of >= 2 ranks, every rank calling it. The differences are
+    returned as measured (noise can make one negative): :func:`summarise` averages the ranks'
+    and clamps at 0 after."""
     import copy
 
     import torch
@@ -202,38 +203,40 @@ def _time_fsdp_unit(spec: dict[str, Any], timed: Any, dtype: Any) -> dict[str, f
 
     tokens, h, ffn = spec["tokens"], spec["hidden"], spec["ffn"]
     world = dist.get_world_size()
-    torch.manual_seed(0)
-    plain = _Block.build(h, ffn, dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        plain = _block(h, ffn, dtype)
+        x = torch.randn(tokens, h, dtype=dtype)
     sharded = copy.deepcopy(plain)
     fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=True)
-    x = torch.randn(tokens, h, dtype=dtype)
 
     def fwd(module: Any) -> Any:
         return lambda: module(x).sum().detach()
 
-    def step(module: Any, optim: Any) -> Any:
+    def fwd_bwd(module: Any) -> Any:
         def run() -> None:
+            module.zero_grad(set_to_none=True)
             module(x).sum().backward()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
 
         return run
 
-    adam = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-6, foreach=True)  # noqa: E731
     numel = sum(p.numel() for p in plain.parameters())
-    per_rank = -(-numel // world)
-    shard = torch.zeros(per_rank, dtype=dtype)
-    full = torch.zeros(per_rank * world, dtype=dtype)
+    shard = torch.zeros(-(-numel // world), dtype=dtype)
+    full = torch.zeros(shard.numel() * world, dtype=dtype)
     gathered = timed(lambda: dist.all_gather_single(full, shard))
     scattered = timed(lambda: dist.reduce_scatter_single(shard, full))
     f_plain, f_sharded = timed(fwd(plain)), timed(fwd(sharded))
-    s_plain, s_sharded = timed(step(plain, adam(plain))), timed(step(sharded, adam(sharded)))
-    forward = max(f_sharded - f_plain - gathered, 0.0)
-    # a unit's backward gathers again and reduce-scatters; its forward is in both step times
-    backward = max(s_sharded - s_plain - 2 * gathered - scattered - forward, 0.0)
+    fb_plain, fb_sharded = timed(fwd_bwd(plain)), timed(fwd_bwd(sharded))
+    steps = []
+    for module in (plain, sharded):  # gradients from the last fwd_bwd stay for the steps
+        optim = torch.optim.AdamW(module.parameters(), lr=1e-9, foreach=True)
+        steps.append(timed(optim.step))
+    forward = f_sharded - f_plain - gathered
+    # a unit's backward gathers again and reduce-scatters; its forward is in both times
     return {
         "fsdp_forward_s": forward,
-        "fsdp_backward_s": backward,
+        "fsdp_backward_s": fb_sharded - fb_plain - 2 * gathered - scattered - forward,
+        "fsdp_optimizer_s": steps[1] - steps[0] / world,
         "fsdp_raw_gather_s": gathered,
         "fsdp_raw_scatter_s": scattered,
     }
@@ -297,9 +300,9 @@ def summarise(
         "attn_eff": min(1.0, b * heads * 2.0 * s * s * d / flash_f / peak),
         "flash_backward": max(0.0, (flash_fb - flash_f) / flash_f),
         "optimizer_per_param": mean(lambda r: r["optimizer_s"]) / sum(spec["optimizer_tensors"]),
-        **{
-            key: mean(lambda r, key=key: r[key])
-            for key in ("fsdp_forward_s", "fsdp_backward_s", "fsdp_raw_gather_s")
+        **{  # means of the ranks' differences, then clamped: noise is not a negative cost
+            key: max(0.0, mean(lambda r, key=key: r[key]))
+            for key in _FSDP_FIELDS + ("fsdp_raw_gather_s", "fsdp_raw_scatter_s")
             if all(key in r for r in results)
         },
         "measured": gemm,
@@ -386,11 +389,11 @@ def from_dict(data: dict[str, Any]) -> DeviceModel:
     if min(values["peak_flops"], values["hbm_bw"], values["attn_eff"]) <= 0:
         raise ValueError("device profile: peak_flops, hbm_bw and attn_eff must be > 0")
     try:
-        fsdp = {k: float(data.get(k, 0.0)) for k in ("fsdp_forward_s", "fsdp_backward_s")}
+        fsdp = {k: float(data.get(k, 0.0)) for k in _FSDP_FIELDS}
     except (TypeError, ValueError) as exc:
         raise ValueError(f"device profile: {exc}") from None
     if min(fsdp.values()) < 0:
-        raise ValueError("device profile: fsdp_forward_s and fsdp_backward_s must be >= 0")
+        raise ValueError(f"device profile: {', '.join(_FSDP_FIELDS)} must be >= 0")
     base = DeviceModel(name=str(data.get("name", "cpu")), peak_flops=1.0, hbm_bw=1.0, sms=1)
     return replace(
         base,

@@ -335,6 +335,10 @@ def simulate(
     exposed: list[float] = []
     opt_params = local / (replicas if lay.zero_stage else 1)
     opt_s = dev.optimizer(opt_params, opt_params * (2 * k_bytes + g_bytes + p_bytes))
+    if lay.zero_stage == 3 and replicas > 1 and not dev.streams:  # DTensor shards' step, measured
+        opt_s += dev.fsdp_optimizer_s * max(
+            sum(counts[c * p + r] for c in range(v)) for r in range(p)
+        )
     for r in range(p):
         compute_end = passes[r][-1].end
         tail: list[dict[str, Any]] = []

@@ -167,8 +167,8 @@ def time_kernels(spec: dict[str, Any], sync: Any) -> dict[str, Any]:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            least = lambda n: lambda fn: timed(fn, max(repeats, n))  # noqa: E731
-            out.update(_time_fsdp_unit(spec, least, dtype))
+            # differences of noisy times: at least 5 repeats, more than the kernels may take
+            out.update(_time_fsdp_unit(spec, lambda fn: timed(fn, max(repeats, 5)), dtype))
     return out
 
 
@@ -192,7 +192,7 @@ def _block(h: int, ffn: int, dtype: Any) -> Any:
     return Block().to(dtype)
 
 
-def _time_fsdp_unit(spec: dict[str, Any], timed_at_least: Any, dtype: Any) -> dict[str, float]:
+def _time_fsdp_unit(spec: dict[str, Any], timed: Any, dtype: Any) -> dict[str, float]:
     """FSDP2's own seconds per unit: forward, backward and the optimizer step (module
     docstring); in a process group of >= 2 ranks, every rank calling it. The differences are
     returned as measured (noise can make one negative): :func:`summarise` averages the ranks'
@@ -206,7 +206,6 @@ def _time_fsdp_unit(spec: dict[str, Any], timed_at_least: Any, dtype: Any) -> di
 
     tokens, h, ffn = spec["tokens"], spec["hidden"], spec["ffn"]
     world = dist.get_world_size()
-    timed = timed_at_least(5)  # differences of noisy times: more repeats than the kernels'
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         plain = _block(h, ffn, dtype)

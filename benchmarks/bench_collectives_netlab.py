@@ -31,6 +31,11 @@ def main() -> int:
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--sizes", default="4M")
+    parser.add_argument(
+        "--ops",
+        default="all_reduce",
+        help="comma list: all_reduce, all_gather, reduce_scatter, ...",
+    )
     parser.add_argument("--impl", default="torch,ring,hierarchical,auto")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
@@ -51,7 +56,7 @@ def main() -> int:
                 "-m",
                 "torsh_distributed.cli.bench",
                 "--ops",
-                "all_reduce",
+                args.ops,
                 "--sizes",
                 args.sizes,
                 "--impl",
@@ -85,12 +90,12 @@ def main() -> int:
     print(
         f"\nlink rate {args.rate_mbit:g} Mbit/s = {link:.5f} GB/s; {args.hosts} hosts x {args.ranks_per_host} ranks"
     )
-    by = {(r["size"], r["impl"]): r for r in rows}
+    by = {(r["size"], r["impl"]): r for r in rows if r["op"] == "all_reduce"}
     print(
         "\n| size (B) | ring busbw / link | hierarchical speed-up vs ring | auto picked | auto time / best |"
     )
     print("|---:|---:|---:|---|---:|")
-    for size in sorted({r["size"] for r in rows}):
+    for size in sorted({size for size, _ in by}):
         ring, hier, auto = (
             by.get((size, "ring")),
             by.get((size, "hierarchical")),
@@ -98,7 +103,7 @@ def main() -> int:
         )
         ratio = f"{ring['busbw_GBps'] / link:.3f}" if ring and args.rate_mbit else "-"
         speed = f"{ring['time_us'] / hier['time_us']:.2f}x" if ring and hier else "-"
-        best = min(r["time_us"] for r in rows if r["size"] == size and r["impl"] != "auto")
+        best = min(r["time_us"] for (s, impl), r in by.items() if s == size and impl != "auto")
         pick = f"{auto['algorithm']} | {auto['time_us'] / best:.2f}" if auto else "- | -"
         print(f"| {size} | {ratio} | {speed} | {pick} |")
     print()

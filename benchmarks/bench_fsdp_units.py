@@ -11,6 +11,9 @@ the root unit's cost; its growth per block is a block's cost in a chain, to comp
 the raw all-gathers and reduce-scatter of a block's bytes.
 
     .venv/bin/python benchmarks/bench_fsdp_units.py [--blocks 0,1,2,4] [--steps 5] [--rounds 3]
+    sudo .venv/bin/python benchmarks/bench_fsdp_units.py --lab 0    # two namespace hosts, veth
+
+``--lab MBIT`` runs the same two ranks on two network-lab hosts (the simulator's lab link).
 """
 
 from __future__ import annotations
@@ -83,6 +86,33 @@ def _work(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _in_lab(rate: float, argv: list[str]) -> dict[str, Any]:
+    """Run this script's ``_work`` on two network-lab hosts, one rank each."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from netlab import NetLab
+
+    with tempfile.TemporaryDirectory(prefix="torsh-fsdp-units-") as tmp:
+        out = Path(tmp) / "result.json"
+        with NetLab(hosts=2, rate_mbit=rate, net=151) as lab:
+            procs = [
+                lab.popen(
+                    rank,
+                    [sys.executable, __file__, *argv, "--worker", str(out)],
+                    env=lab.rank_env(rank=rank, world_size=2, ranks_per_host=1, master_port=29681),
+                    stdout=subprocess.DEVNULL,
+                )
+                for rank in range(2)
+            ]
+            codes = [p.wait(timeout=1800) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"lab ranks failed with exit codes {codes}")
+        return json.loads(out.read_text())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,18 +121,42 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument(
+        "--lab",
+        type=float,
+        default=None,
+        metavar="MBIT",
+        help="run the two ranks on two network-lab hosts (root; 0 = no rate limit) instead of "
+        "over loopback",
+    )
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from torsh_distributed.testing import run_distributed
-
     cfg = {
         "blocks": [int(b) for b in args.blocks.split(",")],
         "steps": args.steps,
         "rounds": args.rounds,
         "batch": args.batch,
     }
+    if args.worker:  # one rank inside a lab host; rank 0 writes the result
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        res = _work(cfg)
+        if dist.get_rank() == 0:
+            with open(args.worker, "w") as fh:
+                json.dump(res, fh)
+        dist.destroy_process_group()
+        return 0
     load = os.getloadavg()[0]
-    res = run_distributed(_work, 2, args=(cfg,), timeout=1800)[0]
-    print(f"2 ranks, loopback, load {load:.1f} -> {os.getloadavg()[0]:.1f}; s/step per round\n")
+    if args.lab is None:
+        from torsh_distributed.testing import run_distributed
+
+        res = run_distributed(_work, 2, args=(cfg,), timeout=1800)[0]
+        where = "loopback"
+    else:
+        res = _in_lab(args.lab, sys.argv[1:])
+        where = f"2 lab hosts, {args.lab:g} Mbit/s" if args.lab else "2 lab hosts, veth unlimited"
+    print(f"2 ranks, {where}, load {load:.1f} -> {os.getloadavg()[0]:.1f}; s/step per round\n")
     print("| blocks | plain (rounds) | ZeRO-3 (rounds) | ZeRO-3 - plain (median) |")
     print("|---:|---|---|---:|")
     extra = {}

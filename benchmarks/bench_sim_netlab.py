@@ -145,6 +145,7 @@ def _worker(args: argparse.Namespace) -> None:
             secs.append(statistics.median(runs))
         beta = (secs[1] - secs[0]) / ((8 << 20) - (64 << 10))
         out["link"] = {"alpha": max(secs[0] - (64 << 10) * beta, 1e-6) / 2, "bw": 1 / beta}
+        out["link_collective"] = _collective_link()
     cfg = _strategy(dist.get_world_size(), args.batch, _num_params(), 12.5e6, 1e-4)
     lays = _sim_layouts(dist.get_world_size(), args.batch)
 
@@ -177,6 +178,37 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def _collective_link() -> dict[str, float]:
+    """The link as the ring collectives see it: ``all_gather_into_tensor`` at 1, 4 and 8 MB.
+
+    Fitted to the simulator's ring model, ``(n - 1) (alpha + B / (n bw))``. On a link whose
+    bandwidth is the CPU's (veth, no ``tc``) a ring step sends and receives at once, which a
+    one-way send never does: the two fits differ there, not on a ``tc``-limited link.
+    """
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    sizes = (1 << 20, 4 << 20, 8 << 20)  # whole gathered tensor, bytes
+    secs = []
+    for nbytes in sizes:
+        mine = torch.ones(nbytes // 4 // n)
+        full = torch.empty(mine.numel() * n)
+        runs = []
+        for i in range(14):  # 5 warm-ups: the sockets' buffers grow over the first calls
+            dist.barrier()
+            start = time.perf_counter()
+            gather(full, mine)
+            if i >= 5:
+                runs.append(time.perf_counter() - start)
+        secs.append(statistics.median(runs) / (n - 1))  # one ring step
+    per = [b / n for b in sizes]
+    fit = statistics.linear_regression(per, secs)  # step = alpha + per / bw
+    slope, alpha = fit.slope, fit.intercept
+    return {"alpha": max(alpha, 1e-6), "bw": 1 / slope}
 
 
 def _lab(hosts: int, rate: float, net: int) -> Any:
@@ -266,7 +298,7 @@ def main() -> int:
                     + ", ".join(f"{n} {rounds[-1]['runs'][n]['steady_s']:.3f} s" for n in names),
                     flush=True,
                 )
-        link = rounds[0]["link"]
+        link, clink = rounds[0]["link"], rounds[0]["link_collective"]
         nominal_bw = rate * 1e6 / 8 if rate else link["bw"]
         rows = {}
         for n in names:
@@ -284,6 +316,7 @@ def main() -> int:
 
             pred = [predicted(link["bw"], link["alpha"], run) for run in runs]
             nom = [predicted(nominal_bw, 1e-4, run)[0] for run in runs]
+            coll = [predicted(clink["bw"], clink["alpha"], run)[0] for run in runs]
             pred_s = [x[0] for x in pred]
             med, pmed, nmed = (statistics.median(v) for v in (steps, pred_s, nom))
             rows[n] = {
@@ -296,10 +329,15 @@ def main() -> int:
                 "error": pmed / med - 1,
                 "nominal_s": nmed,
                 "nominal_error": nmed / med - 1,
+                "collective_link_s": statistics.median(coll),
+                "collective_link_error": statistics.median(coll) / med - 1,
+                "collective_link_round_errors": [
+                    p / m - 1 for p, m in zip(coll, steps, strict=True)
+                ],
                 "breakdown_s": pred[len(pred) // 2][1].breakdown,
                 "profiles": [run["profiles"] for run in runs],
             }
-        results["rates"][f"{rate:g}"] = {"link": link, "rows": rows}
+        results["rates"][f"{rate:g}"] = {"link": link, "link_collective": clink, "rows": rows}
     print(
         f"\n{args.hosts} hosts x 1 rank x 1 thread, GPT {SHAPE}, {params:,} params, fp32 AdamW, "
         f"global batch {args.batch}, {args.steps}-step runs x {args.rounds} rounds; "
@@ -326,6 +364,22 @@ def main() -> int:
                 f"{b['compute']:.2f} / {b['bubble_and_wait']:.2f} / {b['dp_comm_exposed']:.2f} / "
                 f"{b['optimizer']:.3f} | "
                 + ", ".join(f"{e:+.0%}" for e in row["round_errors"])
+                + " |"
+            )
+    print(
+        "\n| link | link fitted from all-gathers | layout | measured steady step | predicted | "
+        "error | error per round |"
+    )
+    print("|---|---|---|---:|---:|---:|---|")
+    for rate, res in results["rates"].items():
+        clink = res["link_collective"]
+        fitted = f"{clink['bw'] * 8 / 1e6:.0f} Mbit/s, {clink['alpha'] * 1e6:.0f} us"
+        for n, row in res["rows"].items():
+            print(
+                f"| {rate if rate != '0' else 'unlimited'} | {fitted} | {n} | "
+                f"{row['measured_s']:.3f} s | {row['collective_link_s']:.3f} s | "
+                f"{row['collective_link_error']:+.1%} | "
+                + ", ".join(f"{e:+.0%}" for e in row["collective_link_round_errors"])
                 + " |"
             )
     if args.json:

@@ -16,12 +16,17 @@ What the prediction uses, measured apart from the training runs and never fitted
   here); the prediction is the mean of the two;
 * the link: a one-way Gloo send between two lab hosts at 64 kB and 8 MB, fitted as ``alpha +
   bytes / bandwidth`` (``--inter-latency``, ``--inter-bw``); beside it the prediction from the
-  nominal rate (the ``tc`` rate, alpha 100 us).
+  nominal rate (the ``tc`` rate, alpha 100 us) and from a link fitted to all-gathers
+  (:func:`_collective_link`).
 
-Measured: the engine's steady step (the loop time of a ``--steps`` run minus a 1-step run of
-the same layout just after it, over ``steps - 1``: the first step's one-off allocations are not
-what the simulator predicts), ``--rounds`` rounds with the layouts' order rotated, median; the
-load average (1 min) before every run, reported per layout (median and range).
+Measured: the engine's steady step as its step monitor times it (``--monitor --monitor-every
+1`` on a ``--steps`` run: every step timed, the first left out, the slower rank's mean),
+``--rounds`` rounds with the layouts' order rotated, median; the load average (1 min) before
+every run, reported per layout (median and range). Printed beside it, the measure this script
+used before 2026-11-29: the loop time of the ``--steps`` run minus a 1-step run of the same
+layout just after it, over ``steps - 1``. That assumed the two runs' first steps cost the same;
+for ZeRO-3 they do not (the first run's step 0 took 0.6-0.9 s longer than the second run's,
+so the difference read ~0.4 s a step too slow), which the last table shows per round.
 
     sudo .venv/bin/python benchmarks/bench_sim_netlab.py --hosts 2 --rates 100,0 --rounds 3
 """
@@ -161,15 +166,26 @@ def _worker(args: argparse.Namespace) -> None:
     for name in args.order.split(","):
         before = profile(name)
         load = os.getloadavg()[0]
-        full = train(_train_config(name, args.steps, args.batch))
+        watched = _train_config(name, args.steps, args.batch)
+        report = Path(tempfile.mkdtemp(prefix="torsh-simlab-mon-")) / "report.json"
+        watched.monitor.enabled, watched.monitor.every = True, 1
+        watched.monitor.report_json = str(report)  # written by rank 0
+        full = train(watched)
         one = train(_train_config(name, 1, args.batch))
         after = profile(name)
         loop = args.batch * args.steps / full.samples_per_s
         steady = (loop - args.batch / one.samples_per_s) / (args.steps - 1)
         t = torch.tensor([steady])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        monitored = None
+        if rank == 0:  # every step timed, the first left out; the slower rank's mean
+            ranks = json.loads(report.read_text())["per_rank"]
+            monitored = max(r["step_time"] for r in ranks)
         out["runs"][name] = {
             "steady_s": float(t),
+            "monitor_step_s": monitored,
+            "first_step_s": loop - (args.steps - 1) * monitored if monitored else None,
+            "one_step_run_s": args.batch / one.samples_per_s,
             "load": load,
             "load_after": os.getloadavg()[0],
             "params": full.num_params,
@@ -177,6 +193,9 @@ def _worker(args: argparse.Namespace) -> None:
         }
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
+    # leave together: a rank tearing Gloo down while its peer still holds the connections can
+    # abort the peer at exit ("terminate called without an active exception", seen once here)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -295,7 +314,9 @@ def main() -> int:
                 rounds.append(_round(lab, args.hosts, order, r == 0, args))
                 print(
                     f"  {rate:g} Mbit/s round {r + 1}: "
-                    + ", ".join(f"{n} {rounds[-1]['runs'][n]['steady_s']:.3f} s" for n in names),
+                    + ", ".join(
+                        f"{n} {rounds[-1]['runs'][n]['monitor_step_s']:.3f} s" for n in names
+                    ),
                     flush=True,
                 )
         link, clink = rounds[0]["link"], rounds[0]["link_collective"]
@@ -303,7 +324,7 @@ def main() -> int:
         rows = {}
         for n in names:
             runs = [x["runs"][n] for x in rounds]
-            steps = [run["steady_s"] for run in runs]
+            steps = [run["monitor_step_s"] for run in runs]  # what every error is against
             loads = [run["load"] for run in runs] + [run["load_after"] for run in runs]
 
             def predicted(bw: float, alpha: float, run: dict[str, Any], n: str = n) -> Any:
@@ -329,6 +350,10 @@ def main() -> int:
                 "error": pmed / med - 1,
                 "nominal_s": nmed,
                 "nominal_error": nmed / med - 1,
+                "difference_s": statistics.median(run["steady_s"] for run in runs),
+                "difference_rounds_s": [run["steady_s"] for run in runs],
+                "first_step_s": [run["first_step_s"] for run in runs],
+                "one_step_run_s": [run["one_step_run_s"] for run in runs],
                 "collective_link_s": statistics.median(coll),
                 "collective_link_error": statistics.median(coll) / med - 1,
                 "collective_link_round_errors": [
@@ -381,6 +406,22 @@ def main() -> int:
                 f"{row['collective_link_error']:+.1%} | "
                 + ", ".join(f"{e:+.0%}" for e in row["collective_link_round_errors"])
                 + " |"
+            )
+    print(
+        "\n| link | layout | step by the monitor | 3-step minus 1-step run (rounds) | "
+        "step 0 of the 3-step run / the 1-step run (s) |"
+    )
+    print("|---|---|---:|---:|---|")
+    for rate, res in results["rates"].items():
+        for n, row in res["rows"].items():
+            firsts = ", ".join(
+                f"{a:.2f} / {b:.2f}"
+                for a, b in zip(row["first_step_s"], row["one_step_run_s"], strict=True)
+            )
+            print(
+                f"| {rate if rate != '0' else 'unlimited'} | {n} | {row['measured_s']:.3f} s | "
+                f"{row['difference_s']:.3f} s "
+                f"({', '.join(f'{x:.2f}' for x in row['difference_rounds_s'])}) | {firsts} |"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))

@@ -145,6 +145,7 @@ def main() -> int:
         if dist.get_rank() == 0:
             with open(args.worker, "w") as fh:
                 json.dump(res, fh)
+        dist.barrier()  # leave together (as bench_sim_netlab's ranks: no teardown under a peer)
         dist.destroy_process_group()
         return 0
     load = os.getloadavg()[0]

@@ -25,8 +25,8 @@ Measured: the engine's steady step as its step monitor times it (``--monitor --m
 every run, reported per layout (median and range). Printed beside it, the measure this script
 used before 2026-11-29: the loop time of the ``--steps`` run minus a 1-step run of the same
 layout just after it, over ``steps - 1``. That assumed the two runs' first steps cost the same;
-for ZeRO-3 they do not (the first run's step 0 took 0.6-0.9 s longer than the second run's,
-so the difference read ~0.4 s a step too slow), which the last table shows per round.
+for ZeRO-3 they do not: the first ZeRO-3 ``train()`` of a process pays 0.6-1.1 s once in its
+step 0, so the difference read ~0.45 s a step too slow (the last table shows it per round).
 
     sudo .venv/bin/python benchmarks/bench_sim_netlab.py --hosts 2 --rates 100,0 --rounds 3
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -181,6 +182,7 @@ def _worker(args: argparse.Namespace) -> None:
         if rank == 0:  # every step timed, the first left out; the slower rank's mean
             ranks = json.loads(report.read_text())["per_rank"]
             monitored = max(r["step_time"] for r in ranks)
+        shutil.rmtree(report.parent, ignore_errors=True)
         out["runs"][name] = {
             "steady_s": float(t),
             "monitor_step_s": monitored,

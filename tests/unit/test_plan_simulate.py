@@ -20,7 +20,13 @@ from torsh_distributed.plan._sim_layer import layer_flops
 from torsh_distributed.plan._sim_published import CALIBRATION, RUNS, predict, validate
 from torsh_distributed.plan._sim_schedule import order, play
 from torsh_distributed.plan.memory import model_state_bytes
-from torsh_distributed.plan.simulate import SimLayout, SimResult, simulate, split_layers
+from torsh_distributed.plan.simulate import (
+    SimLayout,
+    SimResult,
+    interleave_choices,
+    simulate,
+    split_layers,
+)
 from torsh_distributed.plan.strategy import StrategyConfig, evaluate_layout
 
 GB = 1e9
@@ -175,6 +181,23 @@ def test_an_oversubscribed_fat_tree_slows_cross_node_groups_only() -> None:
 def test_layers_split_evenly_remainder_to_the_middle_stages() -> None:
     assert split_layers(70, 12) == [5] + [6] * 10 + [5]  # BLOOM: embedding and head stages
     assert split_layers(8, 4) == [2, 2, 2, 2]
+
+
+def test_interleave_choices_are_the_chunk_counts_that_split_stages_evenly() -> None:
+    assert interleave_choices(105, 35) == [2, 3]  # 3 layers a stage: 3 equal chunks, or 2 and 1
+    assert interleave_choices(80, 8) == [2, 4, 5, 10]
+    assert interleave_choices(8, 4) == [2]  # 4 chunks need 16 layers
+    assert interleave_choices(126, 16) == [2, 4, 7]
+
+
+def test_megatron_rows_interleave_only_where_megatron_lm_could() -> None:
+    # section 5.1 of the paper: the interleaved schedule throughout; Megatron-LM refuses it with
+    # 2 stages or fewer, and its chunks must hold equal numbers of layers
+    chunks = {r.name: r.interleaves for r in RUNS if r.name.startswith("Megatron-LM")}
+    assert chunks["Megatron-LM 39.1B"] == (1,)  # pp 2
+    assert chunks["Megatron-LM 529.6B"] == (3,)  # 105 layers on 35 stages
+    assert chunks["Megatron-LM 145.6B"] == (2, 5, 10)
+    assert chunks["Megatron-LM 1008B"] == (2,)
 
 
 def test_calibration_rows_are_reproduced_and_named() -> None:

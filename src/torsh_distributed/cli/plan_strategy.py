@@ -446,8 +446,9 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--simulate-explore",
         action="store_true",
-        help="also try each layout without recomputation and interleaved (2, 4 chunks) where "
-        "the simulator's memory says it fits",
+        help="also try each layout without recomputation, interleaved (every chunk count that "
+        "splits its stages evenly, and 2 and 4) and at twice its micro-batch, where the "
+        "simulator's memory says it fits",
     )
     add_simulate_flags(sim)
     p.add_argument("--top", type=int, default=10, help="rows of the table (10)")

@@ -50,6 +50,7 @@ __all__ = [
     "RECOMPUTE",
     "SimLayout",
     "SimResult",
+    "interleave_choices",
     "rank_by_simulation",
     "simulate",
     "split_layers",
@@ -493,8 +494,22 @@ def _event(name: str, rank: int, lane: str, start: float, seconds: float) -> dic
     }
 
 
+def interleave_choices(layers: int, pp: int) -> list[int]:
+    """Chunks per pipeline rank worth trying for ``layers`` on ``pp`` stages: 2 and 4 where
+    there are enough layers, and every divisor > 1 of the layers per stage (equal chunks;
+    Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` must divide them)."""
+    per_stage = layers // pp
+    choices = {v for v in (2, 4) if layers >= pp * v}
+    choices |= {v for v in range(2, per_stage + 1) if per_stage % v == 0}
+    return sorted(choices)
+
+
 def rank_by_simulation(
-    plan: StrategyPlan, *, top: int = 20, explore: bool = False, **options: Any
+    plan: StrategyPlan,
+    *,
+    top: int = 20,
+    explore: bool = False,
+    **options: Any,
 ) -> list[tuple[Candidate, SimResult]]:
     """The planner's ``top`` candidates (fitting ones, in its order), each simulated as 1F1B
     with its ZeRO stage, micro-batch and recomputation (``options``: further
@@ -504,8 +519,10 @@ def rank_by_simulation(
     ``explore``: also try, per candidate, what the planner does not model: no recomputation
     where it chose full and recomputation was not pinned (``activation_checkpointing="full"``;
     the simulator's memory counts sequence parallelism's savings) and the
-    interleaved schedule with 2 and 4 chunks (1F1B candidates whose micro-batches divide by
-    pp); keep the fastest variant that fits by the simulator's memory (else the planner's own).
+    interleaved schedule with the chunk counts of :func:`interleave_choices` (1F1B candidates
+    whose micro-batches divide by pp), and twice the planner's micro-batch (the planner's cost
+    model has no kernel efficiency, so it never prefers a larger one); keep the fastest variant
+    that fits by the simulator's memory (else the planner's own).
     """
     memory = plan.config.device_memory
     out = []
@@ -530,18 +547,28 @@ def rank_by_simulation(
             )
             chunks = [1]
             if lay.pp > 1 and options.get("schedule", "1f1b") == "1f1b":
-                chunks += [v for v in (2, 4) if plan.config.layers >= lay.pp * v]
-            for recompute in recomputes:
-                for v in chunks:
-                    try:
-                        res = simulate(
-                            plan.config, SimLayout(recompute=recompute, interleave=v, **base)
-                        )
-                    except ValueError:  # e.g. micro-batches not a multiple of pp
-                        continue
-                    if res.memory["total"] <= memory and (
-                        best.memory["total"] > memory or res.step_s < best.step_s
-                    ):
-                        best = res
+                chunks += interleave_choices(plan.config.layers, lay.pp)
+            variants = [
+                (recompute, v, micro)
+                for recompute in recomputes
+                for v in chunks
+                for micro in (lay.micro_batch, 2 * lay.micro_batch)
+            ]
+            for recompute, v, micro in variants:
+                try:
+                    res = simulate(
+                        plan.config,
+                        SimLayout(
+                            recompute=recompute,
+                            interleave=v,
+                            **{**base, "micro_batch": micro},
+                        ),
+                    )
+                except ValueError:  # e.g. micro-batches not a multiple of pp
+                    continue
+                if res.memory["total"] <= memory and (
+                    best.memory["total"] > memory or res.step_s < best.step_s
+                ):
+                    best = res
         out.append((cand, best))
     return sorted(out, key=lambda cs: (cs[1].memory["total"] > memory, cs[1].step_s))

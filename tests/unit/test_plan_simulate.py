@@ -187,7 +187,17 @@ def test_interleave_choices_are_the_chunk_counts_that_split_stages_evenly() -> N
     assert interleave_choices(105, 35) == [2, 3]  # 3 layers a stage: 3 equal chunks, or 2 and 1
     assert interleave_choices(80, 8) == [2, 4, 5, 10]
     assert interleave_choices(8, 4) == [2]  # 4 chunks need 16 layers
-    assert interleave_choices(126, 16) == [2, 4, 7]
+    assert interleave_choices(126, 16) == [2, 4, 7, 8]  # 8: Llama 3's embedding-only chunk
+
+
+def test_end_chunks_may_hold_only_the_embedding_and_the_head() -> None:
+    # Llama 3 405B: 126 layers on 16 ranks x 8 chunks; the first and last chunk have no layers
+    cfg = _cfg(layers=126, devices=16, nodes=2, global_batch=32, hidden=1024, heads=16)
+    res = simulate(cfg, SimLayout(tp=1, pp=16, micro_batch=1, interleave=8, schedule="interleaved"))
+    assert split_layers(126, 128) == [0] + [1] * 126 + [0]
+    assert res.step_s > 0
+    with pytest.raises(ValueError, match="only the first and last chunk may hold no layers"):
+        simulate(cfg, SimLayout(tp=1, pp=16, micro_batch=1, interleave=9, schedule="interleaved"))
 
 
 def test_megatron_rows_interleave_only_where_megatron_lm_could() -> None:

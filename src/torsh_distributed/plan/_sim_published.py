@@ -209,8 +209,10 @@ _LLAMA = (
     "400 Gb/s RoCE per GPU)"
 )
 _LLAMA_ASSUMED = (
-    "section 3.3.2: an interleaved schedule (V chunks per rank, V not published: 2 or 4, the "
-    "8 layers per rank divide by both; the simulator's faster one) and no activation "
+    "section 3.3.2: an interleaved schedule, V chunks per rank not stated but implied: one "
+    "layer fewer on the first and last stages leaves 'the first model chunk on the first stage "
+    "[with] only the embedding' and the last with only the head, so a chunk is one layer and "
+    "V = (126 + 2) / 16 = 8; no activation "
     "recomputation at 8K context; the layout ran, so our memory model does not filter it; "
     "micro-batch the simulator's fastest; sequence parallelism; ZeRO-1-like "
     "sharding of optimizer states and gradients, reduced once per step, overlapped with the last "
@@ -299,7 +301,7 @@ RUNS: tuple[PublishedRun, ...] = (
             flash_attention=True,
             dropout=False,
             scatter_gather=False,
-            interleaves=(2, 4),
+            interleaves=(8,),
             recomputes=("none",),
             fit_memory=False,
             counts_recompute=False,

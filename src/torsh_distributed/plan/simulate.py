@@ -152,9 +152,12 @@ def _check(cfg: StrategyConfig, lay: SimLayout) -> tuple[int, int]:
         raise ValueError(
             f"--tp {lay.tp} must divide the {per_node} devices per node and --heads {cfg.heads}"
         )
-    if cfg.layers < lay.pp * lay.interleave:
+    # the first and last virtual stage may hold only the embedding and the head (Llama 3, section
+    # 3.3.2: one layer fewer on the first and last stage leaves those chunks without layers)
+    if cfg.layers < lay.pp * lay.interleave - (2 if lay.pp * lay.interleave > 2 else 0):
         raise ValueError(
-            f"--pp x --interleave = {lay.pp * lay.interleave} exceeds --layers {cfg.layers}"
+            f"--pp x --interleave = {lay.pp * lay.interleave} exceeds --layers {cfg.layers} + 2 "
+            "(only the first and last chunk may hold no layers)"
         )
     if lay.kv_heads and (cfg.heads % lay.kv_heads or lay.kv_heads % lay.tp):
         raise ValueError(
@@ -496,11 +499,15 @@ def _event(name: str, rank: int, lane: str, start: float, seconds: float) -> dic
 
 def interleave_choices(layers: int, pp: int) -> list[int]:
     """Chunks per pipeline rank worth trying for ``layers`` on ``pp`` stages: 2 and 4 where
-    there are enough layers, and every divisor > 1 of the layers per stage (equal chunks;
-    Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` must divide them)."""
+    there are enough layers, every divisor > 1 of the layers per stage (equal chunks;
+    Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` must divide them), and one layer
+    per chunk with the first and last chunk holding only the embedding and the head (Llama 3's
+    pipeline: ``pp v = layers + 2``)."""
     per_stage = layers // pp
     choices = {v for v in (2, 4) if layers >= pp * v}
     choices |= {v for v in range(2, per_stage + 1) if per_stage % v == 0}
+    if (layers + 2) % pp == 0 and (layers + 2) // pp > 1:
+        choices.add((layers + 2) // pp)
     return sorted(choices)
 
 

@@ -113,7 +113,7 @@ by that model (filled by :func:`_strategy`)."""
 
 
 def _strategy(run: PublishedRun, top: int) -> None:
-    stages = (0,) if run.zero_stage == 0 else (0, 1)  # what the published system had
+    stages = tuple(range(run.zero_stage + 1))  # what the published system had
     # uneven pipeline stages where the published system had them (BLOOM: 70 layers on 12
     # stages; Llama 3: 126 on 16); Megatron-LM 2021 needed pp to divide the layers
     cfg = replace(run.config(), stages=stages, uneven_stages=run.layers % run.pp != 0)

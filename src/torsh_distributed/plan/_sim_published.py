@@ -214,9 +214,10 @@ _LLAMA_ASSUMED = (
     "[with] only the embedding' and the last with only the head, so a chunk is one layer and "
     "V = (126 + 2) / 16 = 8; no activation "
     "recomputation at 8K context; the layout ran, so our memory model does not filter it; "
-    "micro-batch the simulator's fastest; sequence parallelism; ZeRO-1-like "
-    "sharding of optimizer states and gradients, reduced once per step, overlapped with the last "
-    "backward; NVLink 450 GB/s per direction; 8 x 400 Gb/s per node on a non-blocking rail "
+    "micro-batch the simulator's fastest; sequence parallelism; ZeRO-2 (section 3.3.2: 'FSDP "
+    "... shards optimizer states and gradients, but for model shards we do not reshard after "
+    "forward'): each chunk's gradients reduce-scattered after its backward, overlapped (in bf16: "
+    "the paper reduces them in fp32, twice the bytes); NVLink 450 GB/s per direction; 8 x 400 Gb/s per node on a non-blocking rail "
     "network (the paper's 1:7 oversubscription above the pods not modelled); published TFLOP/s "
     "taken as model FLOPs (MFU x 989), attention counted in full (not causal-halved)"
 )
@@ -295,7 +296,7 @@ RUNS: tuple[PublishedRun, ...] = (
             device="h100",
             intra_bw=450e9,
             inter_bw=3200e9 / 8,
-            zero_stage=1,
+            zero_stage=2,
             dp_overlap=True,
             sequence_parallel=True,
             flash_attention=True,

@@ -14,7 +14,8 @@ published system's ZeRO stages) against the published layout's simulated step.
 ``--refit`` re-runs the calibration (about a minute) and prints the fitted efficiencies beside
 the ones in ``_sim_device.CALIBRATED``. ``--fewest-chunks`` refits and validates again with the
 fewest chunks per pipeline rank wherever a paper does not publish that count (the table's rule
-is the simulator's fastest choice: this shows how much the rows depend on it). Results go to docs/benchmarks.md, "Step simulator".
+is the simulator's fastest choice: this shows how much the rows depend on it). Results go to
+docs/benchmarks.md, "Step simulator".
 """
 
 from __future__ import annotations

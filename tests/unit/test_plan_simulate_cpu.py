@@ -268,7 +268,7 @@ def _fields(cfg: StrategyConfig) -> dict[str, object]:
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
 
 
-def test_simulate_explore_never_ranks_a_layout_slower_and_finds_interleaving() -> None:
+def test_simulate_explore_is_never_slower_and_finds_interleaving_and_larger_micro_batches() -> None:
     from torsh_distributed.plan.simulate import rank_by_simulation
     from torsh_distributed.plan.strategy import plan_strategy
 
@@ -294,3 +294,7 @@ def test_simulate_explore_never_ranks_a_layout_slower_and_finds_interleaving() -
         assert res.memory["total"] <= cfg.device_memory
         assert res.step_s <= own[name].step_s
     assert any(r.layout.interleave > 1 for r in explored.values())
+    # the planner has no kernel efficiency and picks micro-batch 1 here; the simulator's larger
+    # GEMMs at twice that win, so explore keeps them
+    micro = {c.name(): c.layout.micro_batch for c in plan.candidates}
+    assert any(r.layout.micro_batch == 2 * micro[name] for name, r in explored.items())

@@ -447,8 +447,9 @@ def add_strategy(plan_sub: argparse._SubParsersAction) -> None:
         "--simulate-explore",
         action="store_true",
         help="also try each layout without recomputation, interleaved (every chunk count that "
-        "splits its stages evenly, and 2 and 4) and at twice its micro-batch, where the "
-        "simulator's memory says it fits",
+        "splits its stages evenly, 2 and 4, and (layers + 2) / pp with embedding-only and "
+        "head-only end chunks) and at twice its micro-batch, where the simulator's memory says "
+        "it fits",
     )
     add_simulate_flags(sim)
     p.add_argument("--top", type=int, default=10, help="rows of the table (10)")

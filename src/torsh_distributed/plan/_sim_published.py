@@ -217,9 +217,10 @@ _LLAMA_ASSUMED = (
     "micro-batch the simulator's fastest; sequence parallelism; ZeRO-2 (section 3.3.2: 'FSDP "
     "... shards optimizer states and gradients, but for model shards we do not reshard after "
     "forward'): each chunk's gradients reduce-scattered after its backward, overlapped (in bf16: "
-    "the paper reduces them in fp32, twice the bytes); NVLink 450 GB/s per direction; 8 x 400 Gb/s per node on a non-blocking rail "
-    "network (the paper's 1:7 oversubscription above the pods not modelled); published TFLOP/s "
-    "taken as model FLOPs (MFU x 989), attention counted in full (not causal-halved)"
+    "the paper reduces them in fp32, twice the bytes); NVLink 450 GB/s per direction; 8 x 400 "
+    "Gb/s per node on a non-blocking rail network (the paper's 1:7 oversubscription above the "
+    "pods not modelled); published TFLOP/s taken as model FLOPs (MFU x 989), attention counted "
+    "in full (not causal-halved)"
 )
 
 RUNS: tuple[PublishedRun, ...] = (

@@ -152,9 +152,11 @@ def _check(cfg: StrategyConfig, lay: SimLayout) -> tuple[int, int]:
         raise ValueError(
             f"--tp {lay.tp} must divide the {per_node} devices per node and --heads {cfg.heads}"
         )
-    # the first and last virtual stage may hold only the embedding and the head (Llama 3, section
-    # 3.3.2: one layer fewer on the first and last stage leaves those chunks without layers)
-    if cfg.layers < lay.pp * lay.interleave - (2 if lay.pp * lay.interleave > 2 else 0):
+    if cfg.layers < lay.pp:
+        raise ValueError(f"--pp {lay.pp} exceeds --layers {cfg.layers}")
+    # interleaved, the first and last chunk may hold only the embedding and the head (Llama 3,
+    # section 3.3.2: one layer fewer on the first and last stage leaves those chunks empty)
+    if lay.interleave > 1 and cfg.layers < lay.pp * lay.interleave - 2:
         raise ValueError(
             f"--pp x --interleave = {lay.pp * lay.interleave} exceeds --layers {cfg.layers} + 2 "
             "(only the first and last chunk may hold no layers)"
@@ -498,11 +500,14 @@ def _event(name: str, rank: int, lane: str, start: float, seconds: float) -> dic
 
 
 def interleave_choices(layers: int, pp: int) -> list[int]:
-    """Chunks per pipeline rank worth trying for ``layers`` on ``pp`` stages: 2 and 4 where
-    there are enough layers, every divisor > 1 of the layers per stage (equal chunks;
-    Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` must divide them), and one layer
-    per chunk with the first and last chunk holding only the embedding and the head (Llama 3's
-    pipeline: ``pp v = layers + 2``)."""
+    """Chunks per pipeline rank worth trying for ``layers`` on ``pp`` stages (none for ``pp``
+    < 2): 2 and 4 where there are enough layers, every divisor > 1 of ``layers // pp`` (equal
+    chunks where ``pp`` divides the layers; Megatron-LM's
+    ``--num-layers-per-virtual-pipeline-stage`` must divide them), and one layer per chunk with
+    the first and last chunk holding only the embedding and the head (Llama 3's pipeline:
+    ``pp v = layers + 2``)."""
+    if pp < 2:
+        return []
     per_stage = layers // pp
     choices = {v for v in (2, 4) if layers >= pp * v}
     choices |= {v for v in range(2, per_stage + 1) if per_stage % v == 0}

@@ -13,7 +13,7 @@ FLOPs (MFU x peak, as :attr:`~.simulate.SimResult.model_flops`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -329,21 +329,13 @@ _ZERO3_ASSUMED = (
 )
 
 ZERO3_CHECKS: tuple[PublishedRun, ...] = tuple(
-    PublishedRun(
+    replace(
+        _megatron(params, heads, hidden, layers, 1, 1, gpus, batch, tflops),
         name=f"ZeRO-3 {params:g}B, {gpus} GPUs, mb{micro}",
         source=_ZERO3,
-        params=params * 1e9,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        global_batch=batch,
-        devices=gpus,
-        tp=1,
-        pp=1,
         micro_batch=micro,
         zero_stage=3,
         fit_memory=False,
-        tflops=tflops,
         assumed=_ZERO3_ASSUMED,
     )
     for params, heads, hidden, layers, rows in (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -79,6 +80,37 @@ def test_harness_reports_the_failing_rank_with_traceback():
     text = str(info.value)
     assert "--- traceback from rank 1 ---" in text
     assert 'raise ValueError("deliberate failure on rank one")' in text
+
+
+def test_a_port_taken_before_rank_0_listens_is_retried_on_another(monkeypatch):
+    # the job's port, probed free, is taken (here by a listener of ours) before rank 0 binds it:
+    # nothing of the function ran yet, so the harness starts the ranks again on a fresh port
+    from torsh_distributed.testing import harness
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy, harness.find_free_port()])
+        drawn: list[int] = []
+        monkeypatch.setattr(harness, "find_free_port", lambda: drawn.append(p := next(ports)) or p)
+        results = run_distributed(_smoke, 2, timeout=60)
+    assert [r["sum"] for r in results] == [[3.0, 3.0, 3.0]] * 2
+    assert drawn[0] == busy and len(drawn) == 2
+
+
+def test_ports_are_drawn_outside_the_ephemeral_range_whatever_the_seed():
+    import random
+
+    from torsh_distributed.testing import harness
+
+    first, last = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    draws = []
+    for _ in range(20):
+        random.seed(0)  # a test that seeds random must not make every process draw alike
+        draws.append(harness.find_free_port())
+    assert all(not first <= p <= last for p in draws), (first, last, draws)
+    assert len(set(draws)) > 10
 
 
 def _crashes() -> None:

@@ -36,6 +36,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import secrets
 import socket
 import sys
 import tempfile
@@ -69,10 +70,43 @@ class RankFailedError(ProcessFailureError, AssertionError):
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
+    """A TCP port that was free a moment ago on ``host``.
+
+    Drawn at random (from the OS's entropy: a test that seeds :mod:`random` must not make two
+    processes draw alike) outside the kernel's ephemeral range, from which every outgoing
+    connection (Gloo's included) takes its local port: a port probed there can be handed to a
+    connection before its user binds it. Falls back to a kernel-chosen port.
+    """
+    for low, high in _unassigned_ranges():
+        for _ in range(32):
+            port = low + secrets.randbelow(high - low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _unassigned_ranges() -> list[tuple[int, int]]:
+    """Port ranges ``[low, high)`` outside the kernel's ephemeral range, the larger first."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        first, last = int(text[0]), int(text[1])
+    except (OSError, ValueError, IndexError):
+        return []
+    ranges = [(max(first - 8192, 1024), first), (last + 1, 65536)]
+    return sorted((r for r in ranges if r[1] - r[0] >= 1024), key=lambda r: r[0] - r[1])
+
+
+_PORT_ATTEMPTS = 3
+
+
+class _PortTakenError(RuntimeError):
+    """Rank 0 could not listen on the job's port: taken since it was probed (the run is retried)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +156,12 @@ def _worker(task: _Task, results: Any) -> None:
         if task.init:
             from torsh_distributed.runtime import world
 
-            world.init(backend=task.backend, timeout=max(task.stack_after_s, 5.0))
+            try:
+                world.init(backend=task.backend, timeout=max(task.stack_after_s, 5.0))
+            except Exception as exc:
+                if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                    raise _PortTakenError(f"port {task.master_port} is in use: {exc}") from exc
+                raise
         args, kwargs = pickle.loads(task.call)
         value = fn(*args, **kwargs)
         try:
@@ -194,8 +233,6 @@ def run_distributed(
         raise TypeError(f"{qualname} must be a module-level function to run on other processes")
 
     ctx = _context()
-    results = ctx.Queue()
-    port = find_free_port()
     try:
         call = pickle.dumps((tuple(args), dict(kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
@@ -203,45 +240,34 @@ def run_distributed(
     stack_dir = Path(tempfile.mkdtemp(prefix="torsh-harness-"))
     # Stacks are dumped a little before the deadline so the parent can read them.
     stack_after = max(timeout - min(5.0, timeout * 0.2), 0.5)
-    procs = []
-    for rank in range(world_size):
-        task = _Task(
-            module=module,
-            qualname=qualname,
-            call=call,
-            rank=rank,
-            world_size=world_size,
-            backend=backend,
-            master_port=port,
-            env=dict(env or {}),
-            sys_path=list(sys.path),
-            stack_file=str(stack_dir / f"stack-rank{rank}.txt"),
-            stack_after_s=stack_after,
-            init=init,
-        )
-        proc = ctx.Process(target=_worker, args=(task, results), name=f"torsh-rank{rank}")
-        proc.start()
-        procs.append(proc)
-
     deadline = time.monotonic() + timeout
-    values: dict[int, Any] = {}
-    errors: dict[int, tuple[str, str]] = {}
-    first_error_at: float | None = None
-    try:
-        while len(values) + len(errors) < world_size:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if first_error_at is not None and now >= first_error_at + 3.0:
-                break  # peers of a failed rank usually block in a collective: do not wait
-            try:
-                _store(results.get(timeout=0.2), values, errors)
-            except queue.Empty:
-                _note_crashes(procs, results, values, errors)
-            if errors and first_error_at is None:
-                first_error_at = time.monotonic()
-    finally:
-        _reap(procs, reported={*values, *errors})
+    for attempt in range(_PORT_ATTEMPTS):
+        # a fresh queue and port per attempt: nothing of a retried attempt can reach this one
+        results = ctx.Queue()
+        port = find_free_port()
+        procs = []
+        for rank in range(world_size):
+            task = _Task(
+                module=module,
+                qualname=qualname,
+                call=call,
+                rank=rank,
+                world_size=world_size,
+                backend=backend,
+                master_port=port,
+                env=dict(env or {}),
+                sys_path=list(sys.path),
+                stack_file=str(stack_dir / f"stack-rank{rank}.txt"),
+                stack_after_s=stack_after,
+                init=init,
+            )
+            proc = ctx.Process(target=_worker, args=(task, results), name=f"torsh-rank{rank}")
+            proc.start()
+            procs.append(proc)
+        values, errors = _collect(procs, results, world_size, deadline)
+        port_taken = any(s.startswith(_PortTakenError.__name__) for s, _ in errors.values())
+        if not port_taken or attempt == _PORT_ATTEMPTS - 1 or time.monotonic() >= deadline:
+            break  # a port taken at init: nothing of fn ran yet, so start again on another
 
     try:
         if errors:
@@ -271,6 +297,31 @@ def run_distributed(
         for path in stack_dir.glob("*"):
             path.unlink(missing_ok=True)
         stack_dir.rmdir()
+
+
+def _collect(
+    procs: list[Any], results: Any, world_size: int, deadline: float
+) -> tuple[dict[int, Any], dict[int, tuple[str, str]]]:
+    """Gather every rank's result or error until ``deadline``, then stop the ranks."""
+    values: dict[int, Any] = {}
+    errors: dict[int, tuple[str, str]] = {}
+    first_error_at: float | None = None
+    try:
+        while len(values) + len(errors) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if first_error_at is not None and now >= first_error_at + 3.0:
+                break  # peers of a failed rank usually block in a collective: do not wait
+            try:
+                _store(results.get(timeout=0.2), values, errors)
+            except queue.Empty:
+                _note_crashes(procs, results, values, errors)
+            if errors and first_error_at is None:
+                first_error_at = time.monotonic()
+    finally:
+        _reap(procs, reported={*values, *errors})
+    return values, errors
 
 
 def _root_cause(errors: dict[int, tuple[str, str]]) -> int:

@@ -44,10 +44,19 @@ demo: install-core
 	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n    ' \
 		--max-new-tokens 112 --temperature 0.9 --top-k 20 --seed 0
 
-# --junitxml: every test's duration (runs/pytest-junit.xml, ignored by git) for finding where the
-# suite's time goes; --durations prints the slowest 30.
+# --junitxml: every test's duration (runs/pytest-junit*.xml, ignored by git) for finding where the
+# suite's time goes; --durations prints the slowest. The suite runs on TEST_WORKERS pytest-xdist
+# workers, a whole test file per worker at a time (--dist loadfile: module fixtures stay shared);
+# then the few tests marked `serial` (timed against the wall clock in 1-2 s slots) run alone.
+# One test runs in place: `.venv/bin/python -m pytest tests/unit/test_env.py`.
+TEST_WORKERS ?= 2
 test: system-deps install
-	$(PY) -m pytest -q --durations=30 --junitxml=runs/pytest-junit.xml tests
+	status=0; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 \
+		--junitxml=runs/pytest-junit.xml tests || status=$$?; \
+	$(PY) -m pytest -q -m serial --durations=5 --junitxml=runs/pytest-junit-serial.xml tests \
+		|| status=$$((status ? status : $$?)); \
+	exit $$status
 
 # The GPU check (docs/gpu.md): run on a machine with CUDA and PyTorch (the accelerator machine's
 # image: no network there, so the wheels it lacks travel in .whl/, fetched here by gpu-wheels).

@@ -37,6 +37,7 @@ def _train(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     return proc, launched
 
 
+@pytest.mark.serial  # its series has 1-2 s slots: it runs alone (make test)
 @pytest.mark.timeout(300)
 def test_the_world_size_follows_the_series_and_the_loss_is_the_uninterrupted_runs(tmp_path: Path):
     _, launched = _train(["--nproc-per-node", "1", "--energy.meter", "off", "--summary-json", str(tmp_path / "ref.json")])

@@ -41,6 +41,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.serial  # its series has 1-2 s slots: it runs alone (make test)
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_nodes_follow_the_series_and_the_loss_is_the_uninterrupted_runs(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ def _series(path: Path, *, now: float, dirty_at: float) -> float:
     return start + SLOT_S * dirty
 
 
+@pytest.mark.serial  # its series has 1-2 s slots: it runs alone (make test)
 @pytest.mark.timeout(600)
 def test_two_ranks_pause_only_in_the_dirty_slot_and_train_the_unpaused_losses(tmp_path: Path):
     ref_proc, launched = _train(["--summary-json", str(tmp_path / "ref.json")])

@@ -104,6 +104,9 @@ class Lighthouse:
 
     Args:
         min_replicas: Fewest groups a quorum may have.
+        start_replicas: Groups the job's first quorum waits for (all of them, from the
+            launcher): a job starts with every group, however late one's heartbeat reaches this
+            service on a loaded host. :meth:`give_up` lowers it for a group that will not come.
         join_timeout_s: How long a valid quorum waits for heartbeating groups that have not
             asked to join yet (a restarted group still starting up is waited for this long).
         heartbeat_timeout_s: A group silent this long leaves the quorum (the fallback for a
@@ -115,6 +118,7 @@ class Lighthouse:
         self,
         *,
         min_replicas: int = 1,
+        start_replicas: int = 1,
         join_timeout_s: float = 0.2,
         heartbeat_timeout_s: float = 1.0,
         tick_s: float = 0.02,
@@ -122,6 +126,7 @@ class Lighthouse:
         import grpc
 
         self.min_replicas, self.join_timeout_s = min_replicas, join_timeout_s
+        self.start_replicas = start_replicas
         self.heartbeat_timeout_s, self.tick_s = heartbeat_timeout_s, tick_s
         self._cond = threading.Condition()
         self._heartbeats: dict[str, float] = {}
@@ -158,6 +163,13 @@ class Lighthouse:
                     del table[rid]
             self._tick()
             self._cond.notify_all()
+
+    def give_up(self, group_id: str) -> None:
+        """``group_id`` will not come back (the launcher gave it up): forget it, and a first
+        quorum not issued yet no longer waits for it."""
+        with self._cond:
+            self.start_replicas = max(1, self.start_replicas - 1)
+        self.forget(group_id)
 
     def shutdown(self) -> None:
         with self._cond:
@@ -239,6 +251,8 @@ class Lighthouse:
                 return candidates  # fast quorum: every member of the last one is back
         if len(present) < self.min_replicas:
             return None
+        if self._prev is None and len(present) < self.start_replicas:
+            return None  # the job's first step: every group, whoever heartbeats by now
         if len(present) <= len(healthy) // 2:  # no split brain: more than half of the living
             return None
         if len(present) < len(healthy):

@@ -59,7 +59,10 @@ def _lighthouse(section: FTConfig) -> Any:
             heartbeat_timeout_ms=int(section.heartbeat_timeout_s * 1000),
         )
     return Lighthouse(
-        min_replicas=1, join_timeout_s=0.2, heartbeat_timeout_s=section.heartbeat_timeout_s
+        min_replicas=1,
+        start_replicas=section.replica_groups,  # the first step waits for every group
+        join_timeout_s=0.2,
+        heartbeat_timeout_s=section.heartbeat_timeout_s,
     )
 
 
@@ -342,6 +345,8 @@ def launch_groups(
                     return 1
                 if group.restarts >= section.max_restarts:
                     group.given_up = True
+                    if isinstance(lighthouse, Lighthouse):
+                        lighthouse.give_up(f"g{group.index}")
                     append_event(
                         directory, {"event": "given_up", "group": group.index, "time": now}
                     )

@@ -268,7 +268,8 @@ class ReplicaGroups:
             checkpoint_transport=self._transport,
             init_sync=False,  # every group builds the same weights from the seed
         )
-        # every group heartbeats before the first quorum (else it starts with whoever is up)
+        # every group's manager is up before the first quorum (the launcher's lighthouse also
+        # holds the first quorum for every group: a first heartbeat can arrive late)
         store.set(f"ft/up/g{self.group}/r{self.group_rank}", "1")
         store.wait(
             [f"ft/up/g{g}/r{r}" for g in range(self.num_groups) for r in range(self.group_size)],

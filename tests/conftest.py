@@ -24,3 +24,60 @@ def _no_leaked_process_group():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left the default process group initialised")
+
+
+# --- TORSH_TEST_CPU_LOG=FILE: what each test costs in CPU (docs/testing.md, "Suite time") ---------
+_CPUACCT = "/sys/fs/cgroup/cpuacct"
+
+
+def _cgroup_usage(group: str) -> float:
+    with open(os.path.join(group, "cpuacct.usage")) as f:
+        return int(f.read()) / 1e9
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest process (an xdist worker too) moves into a cgroup of its own; every process it
+    starts (ranks, launchers, servers, forkservers: wherever they are reaped) stays in it, so its
+    CPU counter is exactly what this process's tests cost, even beside another worker. Linux with
+    cgroup v1 ``cpuacct`` and root only; a measuring aid, off unless the variable is set."""
+    if not os.environ.get("TORSH_TEST_CPU_LOG"):
+        return
+    group = os.path.join(_CPUACCT, f"torsh-test-{os.getpid()}")
+    try:
+        os.makedirs(group, exist_ok=True)
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as exc:
+        raise pytest.UsageError(f"TORSH_TEST_CPU_LOG needs root and {_CPUACCT}: {exc}") from exc
+    config.stash[_CPU_GROUP] = group
+
+
+_CPU_GROUP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    """One line per test in TORSH_TEST_CPU_LOG: ``cpu_s wall_s nodeid`` (set-up and teardown
+    included: a module fixture counts in its module's first test)."""
+    group = item.config.stash.get(_CPU_GROUP, None)
+    if group is None:
+        yield
+        return
+    import time
+
+    c0, w0 = _cgroup_usage(group), time.monotonic()
+    yield
+    with open(os.environ["TORSH_TEST_CPU_LOG"], "a") as out:
+        out.write(f"{_cgroup_usage(group) - c0:.2f} {time.monotonic() - w0:.2f} {item.nodeid}\n")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    group = config.stash.get(_CPU_GROUP, None)
+    if group is None:
+        return
+    try:  # back to the root group; the directory goes once nothing started here is left
+        with open(os.path.join(_CPUACCT, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(group)
+    except OSError:
+        pass

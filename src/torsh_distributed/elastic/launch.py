@@ -12,7 +12,8 @@ What it adds:
   other job can take the port between choosing and using it. Several nodes: torch's ``static``
   rendezvous on ``master_addr:master_port`` with ``node_rank``; or, with ``rdzv_endpoint``, the
   ``c10d`` rendezvous (elastic ``nnodes="MIN:MAX"``, late joiners, restarts across nodes).
-* **Attributable output.** Every line a worker prints carries its global rank: ``[rank1]: ...``.
+* **Attributable output.** Every line a worker prints carries its global rank: ``[rank1]: ...``,
+  whole (torch's tail can split a line that two ranks print at once: :mod:`._tail`).
 * **One failure report.** Workers run under :mod:`torsh_distributed.elastic._bootstrap`, which
   writes an uncaught exception to torch's per-worker error file instead of printing it. When the
   job fails, one block names the rank that failed first (global and local rank, node, host, exit
@@ -57,7 +58,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
 from torsh_distributed.elastic import _network as _net
-from torsh_distributed.elastic import _warm
+from torsh_distributed.elastic import _tail, _warm
 from torsh_distributed.elastic._agent import reporting_agent
 from torsh_distributed.elastic._bootstrap import run_worker
 from torsh_distributed.elastic._options import (
@@ -290,6 +291,7 @@ def launch(
 
     plan = _plan(options)
     _check_network(options, plan)
+    _tail.install()  # whole lines only in the prefixed output (torch's tail can split one)
     own_log_dir = options.log_dir is None
     log_dir = tempfile.mkdtemp(prefix="torsh-run-") if own_log_dir else str(options.log_dir)
     try:

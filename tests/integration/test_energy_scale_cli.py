@@ -1,13 +1,16 @@
 """`torsh-dist train --nproc-per-node 1:2 --carbon.scale` on a series of 1 s slots, dirty when
-the job starts and clean a couple of seconds into its training: the job starts at 1 worker,
+the job starts and clean a few seconds into its training: the job starts at 1 worker,
 checkpoints at the first step of the clean slots and restarts at 2 workers from that checkpoint
 (the world size follows the series), and ends at the loss of an uninterrupted run of the same
 config within the elastic tests' tolerance.
 
-The series' times are absolute, so the clean slots are placed from the start-up time of the
-uninterrupted run (1 worker, just before, on the same machine): about 2 s of steps at 1 worker
-(~250 of the 600). A start-up far slower than that one's only moves the change earlier (to the
-first step); the test fails only if the world size does not follow the series.
+The series' times are absolute, so the clean slots are placed from a reference run just before,
+on the same machine and the same path: the same command on a series dirty for 15 minutes (one
+segment at 1 worker, never scaled: the uninterrupted run). The first clean slot starts half of its training
+time after the moment its first decision was made (relative to launch): a scaled run may start
+that much slower, or faster, than the reference and still meet a dirty slot first and a clean one
+before its last step. A start-up slower than its dirty slots only moves the change earlier (to
+the first step).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-STEPS = 600
+STEPS = 900
 QUICK = ["--preset", "tiny", "--data.max-bytes", "200000", "--max-steps", str(STEPS), "--batch-size", "8",
          "--eval-batches", "1", "--progress", "false", "--threads", "1"]
 CLEAN, DIRTY = 100, 400
@@ -37,21 +40,27 @@ def _train(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     return proc, launched
 
 
+def _write_series(path: Path, start: float, values: list[int]) -> None:
+    path.write_text("timestamp,gCO2/kWh\n" + "".join(f"{start + i:.3f},{v}\n" for i, v in enumerate(values)))
+
+
 @pytest.mark.serial  # its series has 1-2 s slots: it runs alone (make test)
 @pytest.mark.timeout(300)
 def test_the_world_size_follows_the_series_and_the_loss_is_the_uninterrupted_runs(tmp_path: Path):
-    _, launched = _train(["--nproc-per-node", "1", "--energy.meter", "off", "--summary-json", str(tmp_path / "ref.json")])
+    reference = tmp_path / "dirty.csv"
+    # dirty for 15 minutes (the series' sizes are relative: one clean slot at its end sets the scale)
+    _write_series(reference, round(time.time(), 3) - 1.0, [DIRTY] * 900 + [CLEAN])
+    _, launched = _train(["--nproc-per-node", "1:2", "--carbon.scale", "--carbon.series", str(reference),
+                          "--checkpoint.dir", str(tmp_path / "ref-ckpt"), "--summary-json", str(tmp_path / "ref.json")])
     ref = json.loads((tmp_path / "ref.json").read_text())
-    startup = ref["first_step_unix_s"] - launched
-    start = round(time.time(), 3) - 1.0
-    # the first clean slot (1 s slots from `start`): 3 s into the run, but never later than a third
-    # of the reference's training time, so that a scaled run that starts faster than the
-    # reference (a loaded machine) cannot finish all its steps before the series turns clean
-    clean_from = math.ceil(startup + min(3.0, ref["wall_time_s"] / 3))
+    ref_scaling = ref["carbon"]["scaling"]
+    assert ref_scaling["world_sizes"] == [1] and len(ref_scaling["segments"]) == 1  # uninterrupted
+    first_decision = ref_scaling["decisions"][0]["unix_s"] - launched
+    training = ref_scaling["segments"][0]["ended_unix_s"] - ref_scaling["segments"][0]["first_step_unix_s"]
+    start = round(time.time(), 3) - 1.0  # the scaled run launches about 1 s into slot 0
+    clean_from = math.ceil(1.0 + first_decision + training / 2)
     values = [DIRTY if i < clean_from else CLEAN for i in range(clean_from + 60)]
-    (tmp_path / "s.csv").write_text(
-        "timestamp,gCO2/kWh\n" + "".join(f"{start + i:.3f},{v}\n" for i, v in enumerate(values))
-    )
+    _write_series(tmp_path / "s.csv", start, values)
     proc, _ = _train(["--nproc-per-node", "1:2", "--carbon.scale", "--carbon.series", str(tmp_path / "s.csv"),
                       "--checkpoint.dir", str(tmp_path / "ckpt"), "--summary-json", str(tmp_path / "scaled.json")])
     (tmp_path / "scaled.log").write_text(proc.stdout)  # kept with the run, for a reader

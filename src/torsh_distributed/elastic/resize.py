@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from torsh_distributed.elastic._options import LaunchOptions
+from torsh_distributed.runtime._net import free_port
 
 __all__ = [
     "SEGMENT_ENV",
@@ -217,7 +218,7 @@ def launch_resizing_nodes(
                 nodes = size // per_node
                 segment = Segment(index=index, world_size=size, sizes=sizes, launched_unix_s=now,
                                   why=dict(why), log=log)
-                seg_port = _free_port(host)
+                seg_port = free_port(host)
                 store.set(f"segment/{index}", json.dumps({"nodes": nodes, "port": seg_port,
                                                          "segment": dataclasses.asdict(segment)}))
                 reason = why.get("text", "")
@@ -266,9 +267,3 @@ def launch_resizing_nodes(
             time.sleep(poll_s)
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

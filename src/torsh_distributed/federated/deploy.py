@@ -30,6 +30,7 @@ from typing import IO, Any
 from torsh_distributed.elastic._warm import check_start_method
 from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
+from torsh_distributed.runtime._net import free_port
 from torsh_distributed.runtime.busy import scaled_start_timeout
 from torsh_distributed.runtime.tls import TLSFiles
 
@@ -65,12 +66,6 @@ spec = ""
 _RUN_ID = re.compile(r"run_id `(\d+)`")
 _CLIENT_COMPONENT = 'clientapp = "torsh_distributed.federated.apps:client_app"'
 _SECAGG_CLIENT_COMPONENT = 'clientapp = "torsh_distributed.federated.secagg:secagg_client_app"'
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _bin(name: str) -> str:

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,14 +36,9 @@ from torsh_distributed.elastic import _warm
 from torsh_distributed.ft._lighthouse import Lighthouse
 from torsh_distributed.ft.config import FTConfig
 from torsh_distributed.ft.replica import append_event, read_events
+from torsh_distributed.runtime._net import free_port
 
 __all__ = ["launch_groups", "main"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _lighthouse(section: FTConfig) -> Any:
@@ -201,7 +195,7 @@ def launch_groups(
         ]
 
     def start(group: _Group) -> None:
-        port = _free_port()
+        port = free_port()  # the group's store: bound by its rank 0, drawn outside ephemeral ports
         use_spares = len(spares) == size and all(p.poll() is None for p in spares)
         group.procs = []
         for local, rank in enumerate(group.ranks):

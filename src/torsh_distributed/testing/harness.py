@@ -36,8 +36,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import secrets
-import socket
 import sys
 import tempfile
 import time
@@ -47,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from torsh_distributed.runtime._net import free_port
 from torsh_distributed.runtime.errors import (
     DistributedTimeoutError,
     ProcessFailureError,
@@ -70,36 +69,9 @@ class RankFailedError(ProcessFailureError, AssertionError):
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``.
-
-    Drawn at random (from the OS's entropy: a test that seeds :mod:`random` must not make two
-    processes draw alike) outside the kernel's ephemeral range, from which every outgoing
-    connection (Gloo's included) takes its local port: a port probed there can be handed to a
-    connection before its user binds it. Falls back to a kernel-chosen port.
-    """
-    for low, high in _unassigned_ranges():
-        for _ in range(32):
-            port = low + secrets.randbelow(high - low)
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _unassigned_ranges() -> list[tuple[int, int]]:
-    """Port ranges ``[low, high)`` outside the kernel's ephemeral range, the larger first."""
-    try:
-        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        first, last = int(text[0]), int(text[1])
-    except (OSError, ValueError, IndexError):
-        return []
-    ranges = [(max(first - 8192, 1024), first), (last + 1, 65536)]
-    return sorted((r for r in ranges if r[1] - r[0] >= 1024), key=lambda r: r[0] - r[1])
+    """A TCP port that was free a moment ago on ``host``: :func:`~torsh_distributed.runtime._net.free_port`
+    (drawn at random outside the kernel's ephemeral range)."""
+    return free_port(host)
 
 
 _PORT_ATTEMPTS = 3

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,9 @@ def _sections() -> list[tuple[str, type]]:
 
 
 def _scalar_fields(cls: type) -> list[dataclasses.Field[Any]]:
-    hints = typing.get_type_hints(cls)
+    from torsh_distributed.cli.train import type_hints
+
+    hints = type_hints(cls)
     return [
         f for f in dataclasses.fields(cls)
         if hints[f.name] in (int, float, str, bool) and not f.metadata.get("internal")
@@ -62,7 +63,7 @@ def _scalar_fields(cls: type) -> list[dataclasses.Field[Any]]:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    from torsh_distributed.cli.train import _field_docs, _type_of
+    from torsh_distributed.cli.train import _field_docs, _type_of, type_hints
 
     counts: dict[str, int] = {}
     for _, cls in _sections():
@@ -85,7 +86,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 flags.append(_ALIASES[dest])
             elif section and counts[f.name] == 1:
                 flags.append(f"--{dashed}")
-            if typing.get_type_hints(cls)[f.name] is bool:  # --secagg / --no-secagg
+            if type_hints(cls)[f.name] is bool:  # --secagg / --no-secagg
                 group.add_argument(*flags, dest=dest, default=None, action=argparse.BooleanOptionalAction,
                                    help=docs.get(f.name, ""))  # fmt: skip
                 continue

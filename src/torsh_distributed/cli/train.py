@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -83,26 +84,75 @@ def _fields(cls: type) -> list[dataclasses.Field[Any]]:
 def _field_docs(cls: type) -> dict[str, str]:
     """Docstrings written under each dataclass field (parsed from the class source), inherited
     fields included (TrainConfig's top-level fields are EngineConfig's)."""
+    return dict(_field_docs_cached(cls))
+
+
+@functools.cache
+def _field_docs_cached(cls: type) -> dict[str, str]:
     import ast
-    import inspect
 
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__[:-1]):  # a subclass's docstring wins
-        try:
-            tree = ast.parse(inspect.getsource(klass))
-        except (OSError, TypeError):
+        node = _class_node(klass)
+        if node is None:
             continue
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:], strict=False):
+        body = node.body
+        for field, nxt in zip(body, body[1:], strict=False):
             if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
                 and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)
             ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
+                docs[field.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+def _class_node(klass: type) -> Any:
+    """``klass``'s ``ast.ClassDef``, from its module's source parsed once per process (every
+    parser build reads ~40 config classes: ``inspect.getsource`` parsed the module for each)."""
+    import ast
+    import inspect
+
+    module = sys.modules.get(klass.__module__)
+    filename = getattr(module, "__file__", None)
+    if filename and filename.endswith(".py"):
+        node = _module_classes(filename).get(klass.__qualname__)
+        if node is not None:
+            return node
+    try:  # not a plain source file (or redefined since): the slow, general way
+        return ast.parse(inspect.getsource(klass)).body[0]
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+@functools.cache
+def _module_classes(filename: str) -> dict[str, Any]:
+    """Every class of a source file by qualified name -> its ``ast.ClassDef``."""
+    import ast
+
+    try:
+        with open(filename, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return {}
+    found: dict[str, Any] = {}
+
+    def walk(body: list[Any], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                found[prefix + node.name] = node
+                walk(node.body, f"{prefix}{node.name}.")
+
+    walk(tree.body, "")
+    return found
+
+
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, once per class (it compiles every annotation string)."""
+    return typing.get_type_hints(cls)
 
 
 def _parse_bool(text: str) -> bool:
@@ -115,7 +165,7 @@ def _parse_bool(text: str) -> bool:
 
 
 def _type_of(cls: type, f: dataclasses.Field[Any]) -> Any:
-    hint = typing.get_type_hints(cls)[f.name]
+    hint = type_hints(cls)[f.name]
     return {int: int, float: float, str: str, bool: _parse_bool}[hint]
 
 

@@ -97,9 +97,10 @@ def test_silent_group_leaves_after_the_heartbeat_timeout() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_the_first_quorum_waits_for_every_group_even_one_not_heartbeating_yet() -> None:
+@pytest.mark.parametrize("release", ["group 0 joins", "group 0 given up"])
+def test_the_first_quorum_waits_for_every_group_even_one_not_heartbeating_yet(release: str) -> None:
     """A job starts with all its groups: group 0's heartbeat has not arrived (a loaded host)
-    when group 1 asks; group 1 waits for it, and a given-up group stops the wait."""
+    when group 1 asks; group 1 waits until group 0 joins, or until the launcher gives it up."""
     lighthouse = Lighthouse(start_replicas=2, heartbeat_timeout_s=30.0)
     try:
         client = LighthouseClient(lighthouse.address(), connect_timeout=T)
@@ -108,25 +109,15 @@ def test_the_first_quorum_waits_for_every_group_even_one_not_heartbeating_yet() 
         early.start()
         early.join(1.0)
         assert early.is_alive(), "the first quorum must wait for group 0"
-        _quorum(client, "g0:a", 0, got)
+        if release == "group 0 joins":
+            _quorum(client, "g0:a", 0, got)
+            want = ["g0:a", "g1:b"]
+        else:
+            lighthouse.give_up("g0")  # the launcher gave group 0 up before the job's first step
+            want = ["g1:b"]
         early.join(10)
         assert not early.is_alive()
-        for rid in ("g0:a", "g1:b"):
-            assert [p.replica_id for p in got[rid].participants] == ["g0:a", "g1:b"]  # type: ignore[attr-defined]
-    finally:
-        lighthouse.shutdown()
-
-    lighthouse = Lighthouse(start_replicas=2, heartbeat_timeout_s=30.0)
-    try:
-        client = LighthouseClient(lighthouse.address(), connect_timeout=T)
-        alone: dict[str, object] = {}
-        waiter = threading.Thread(target=_quorum, args=(client, "g1:b", 0, alone))
-        waiter.start()
-        waiter.join(1.0)
-        assert waiter.is_alive()
-        lighthouse.give_up("g0")  # the launcher gave group 0 up before the job's first step
-        waiter.join(10)
-        assert not waiter.is_alive()
-        assert [p.replica_id for p in alone["g1:b"].participants] == ["g1:b"]  # type: ignore[attr-defined]
+        for rid in want:
+            assert [p.replica_id for p in got[rid].participants] == want  # type: ignore[attr-defined]
     finally:
         lighthouse.shutdown()

@@ -16,7 +16,9 @@ round, so neither always runs on a warmer cache):
   ``torsh-dist train --nproc-per-node 0`` (the console script, as a user types it);
 * launch to the first training step of ``torsh-dist train --nproc-per-node 2 --preset tiny
   --max-steps 5``: ``time.time()`` just before the launch to the trainer's ``first_step_unix_s``
-  (``--summary-json``; the end of step 1 on rank 0), and the whole command's wall time.
+  (``--summary-json``; the end of step 1 on rank 0), the whole command's wall time, and its CPU
+  seconds (user + system of the launcher and every process under it, the forkserver and the
+  resource tracker too: this process is their subreaper and reaps them).
 
 ``--start-methods spawn,forkserver`` instead compares the installed tree's worker start methods
 (``--start-method``, see docs/launch.md) on the 2-rank run, or ``--nproc N`` ranks::
@@ -31,8 +33,10 @@ neighbour). The 1-minute load average is printed before and after.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -72,17 +76,46 @@ def time_cli(argv: list[str], env: dict[str, str]) -> float:
     return wall
 
 
-def time_train(env: dict[str, str], workdir: Path, extra: list[str]) -> tuple[float, float]:
-    """(launch to the end of the first step, the whole command) in seconds."""
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _reap_descendants(keep: set[int], timeout: float = 60.0) -> None:
+    """Wait for every child but ``keep`` (orphaned descendants come here: we are their
+    subreaper), so their CPU time is in ``RUSAGE_CHILDREN``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children: set[int] = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+        if not children - keep:
+            return
+        for pid in children - keep:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.02)
+    raise RuntimeError(f"descendants still running after {timeout} s")
+
+
+def time_train(env: dict[str, str], workdir: Path, extra: list[str],
+               keep: set[int]) -> tuple[float, float, float]:
+    """(launch to the end of the first step, the whole command, its CPU) in seconds."""
     summary = workdir / "summary.json"
     summary.unlink(missing_ok=True)
+    cpu = _children_cpu()
     start = time.time()
     done = subprocess.run([TORSH_DIST, *TRAIN, *extra, "--summary-json", str(summary)], env=env,
                           cwd=workdir, capture_output=True, text=True, timeout=900)
     wall = time.time() - start
+    _reap_descendants(keep)
+    cpu = _children_cpu() - cpu
     if done.returncode != 0:
         raise RuntimeError(f"torsh-dist train failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return json.loads(summary.read_text())["first_step_unix_s"] - start, wall
+    return json.loads(summary.read_text())["first_step_unix_s"] - start, wall, cpu
 
 
 def _row(name: str, times: dict[str, list[float]]) -> str:
@@ -117,6 +150,7 @@ def main() -> None:
         variants = {m: _env(None) for m in methods}
         extra = {m: ["--start-method", m] for m in methods}
         args.rounds = 0  # help and refusals do not start workers
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: see time_train
     burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.burners)]
     try:
         time.sleep(1.0 if burners else 0.0)
@@ -129,14 +163,17 @@ def main() -> None:
                     cli[name][variant].append(time_cli(argv, variants[variant]))
         first: dict[str, list[float]] = {v: [] for v in variants}
         whole: dict[str, list[float]] = {v: [] for v in variants}
+        cpu: dict[str, list[float]] = {v: [] for v in variants}
         with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
             for r in range(args.train_rounds):
                 for variant in order if r % 2 == 0 else order[::-1]:
-                    to_first, wall = time_train(variants[variant], Path(tmp), extra[variant])
+                    to_first, wall, used = time_train(variants[variant], Path(tmp), extra[variant],
+                                                      {p.pid for p in burners})
                     first[variant].append(to_first)
                     whole[variant].append(wall)
-                    print(f"round {r + 1} {variant}: first step {to_first:.2f} s, whole {wall:.2f} s "
-                          f"(load {_load()})", flush=True)
+                    cpu[variant].append(used)
+                    print(f"round {r + 1} {variant}: first step {to_first:.2f} s, whole {wall:.2f} s, "
+                          f"CPU {used:.2f} s (load {_load()})", flush=True)
         print(f"load after: {_load()}")
     finally:
         for proc in burners:
@@ -151,7 +188,8 @@ def main() -> None:
     if args.train_rounds:
         print(_row(f"`torsh-dist {' '.join(TRAIN)}`: launch to first step", first))
         print(_row("the same: whole command", whole))
-    print("\nruns (s):", json.dumps({"cli": cli, "first_step": first, "whole": whole}))
+        print(_row("the same: CPU seconds, every process", cpu))
+    print("\nruns (s):", json.dumps({"cli": cli, "first_step": first, "whole": whole, "cpu": cpu}))
 
 
 if __name__ == "__main__":

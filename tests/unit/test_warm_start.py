@@ -111,3 +111,80 @@ def test_a_forked_worker_keeps_its_exit_code_after_its_atexit_handlers(tmp_path:
     )  # fmt: skip
     assert out.stdout.split() == ["armed", "False", "exitcode", "3"], out.stdout + out.stderr
     assert (tmp_path / "ran_atexit").exists()
+
+
+_FORK_PROBE = """
+import json, multiprocessing as mp, os, sys, threading
+if __name__ == '__main__':
+    held_r, held_w = os.pipe()  # a pipe the launcher holds: the forked server must not
+    if sys.argv[1] == "thread":  # a Python thread besides the main one: no fork
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+    from torsh_distributed.elastic import _warm
+    from multiprocessing import forkserver
+    if sys.argv[1] != "library":  # the console script says so; main() called by others does not
+        _warm.allow_fork()
+    _warm.prestart(["torsh_distributed.elastic._warm", "torch"], fork=True)
+    server = forkserver._forkserver._forkserver_pid
+    p = mp.get_context("forkserver").Process(target=os._exit, args=(7,))
+    p.start(); p.join()
+    pipe = "pipe:[%d]" % os.fstat(held_w).st_ino
+    fds = []
+    for fd in os.listdir(f"/proc/{server}/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/{server}/fd/{fd}"))
+        except OSError:
+            pass
+    with open(f"/proc/{server}/cmdline", "rb") as f:
+        cmdline = f.read().decode()
+    print(json.dumps({"server": server, "exitcode": p.exitcode, "holds_pipe": pipe in fds,
+                      "fresh": "forkserver import main" in cmdline}), flush=True)
+"""
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("state", ["cli", "thread", "library"])
+def test_prestart_forks_the_server_from_the_command_only(tmp_path: Path, state: str) -> None:
+    """``prestart(fork=True)`` in the command's own process (``allow_fork``, one Python thread)
+    forks the forkserver from it (torch imported once): the server serves the stdlib's protocol
+    (a worker's exit code comes back), holds none of the launcher's descriptors (a caller reading
+    the launcher's pipe would never see its end) and ends with the launcher. With another Python
+    thread running, or in a process that did not say it is the command (the CLI's ``main()``
+    called from a notebook or a test), it starts the stdlib's fresh interpreter instead. Fails if
+    the fork leaks the pipe, outlives the launcher, or forks where it should not."""
+    import json
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_FORK_PROBE)
+    out = subprocess.run(
+        [sys.executable, str(probe), state], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["exitcode"] == 7
+    assert seen["fresh"] is (state != "cli")
+    assert seen["holds_pipe"] is False
+    assert _gone(seen["server"], within_s=30), "the forkserver outlived its launcher"
+
+
+def test_the_forked_server_is_refused_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_warm, "_FORK_ALLOWED", True)
+    monkeypatch.setattr("threading.active_count", lambda: 1)
+    assert _warm._may_fork()
+    monkeypatch.setenv("TORSH_WARM_FORK", "0")
+    assert not _warm._may_fork()

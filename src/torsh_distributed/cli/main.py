@@ -81,6 +81,9 @@ def entry() -> None:
     process's module objects takes 0.8-1 s on the 2-core VM (0.2 s frozen); every command pays
     it, and the shell waits for it. Files are closed by the commands themselves; ``atexit``
     handlers still run."""
+    from torsh_distributed.elastic import _warm
+
+    _warm.allow_fork()  # this process is the command: its workers' forkserver may fork from it
     code = main()
     gc.freeze()  # the process ends next: leave its objects to the OS
     sys.exit(code)

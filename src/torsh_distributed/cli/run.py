@@ -282,6 +282,12 @@ def _handle(args: argparse.Namespace) -> int:
             options = options_from_args(args)
         for warning in caught:
             print(f"torsh-dist run: warning: {warning.message}", file=sys.stderr)
+        if options.start_method == "forkserver" and "PYTHON_EXEC" not in os.environ:
+            from torsh_distributed.elastic import _warm
+
+            # the workers' forkserver, forked from this process once it has imported torch
+            # (the CLI holds nothing else yet): torch is imported once for the whole launch
+            _warm.prestart(_warm.preload_for(args.script if args.module else None), fork=True)
         from torsh_distributed.elastic.launch import launch  # torch's agent: after the checks
 
         if args.module:

@@ -112,13 +112,15 @@ _PRELOAD = ("torsh_distributed.elastic._warm", "torch", "torch._dynamo")
 _TRAIN_PRELOAD = ("torsh_distributed.engine.engine", "torsh_distributed.train.trainer")
 # What the ranks of fault-tolerant replica groups (torsh_distributed.ft.launch) import besides.
 _FT_PRELOAD = ("torchft", "torsh_distributed.ft.replica")
+# Last: freezes what the preload created, so a worker's garbage collections skip it.
+_GC_FREEZE = "torsh_distributed.runtime._gc_freeze"
 
 
 def preload_for(module: str | None, *, ft: bool = False) -> list[str]:
     """The modules the forkserver imports for a launch of ``module`` (``None``: a script);
     ``ft``: the ranks run in replica groups (torchft)."""
     extra = _TRAIN_PRELOAD if module and module.startswith("torsh_distributed.") else ()
-    return [*_PRELOAD, *extra, *(_FT_PRELOAD if ft else ())]
+    return [*_PRELOAD, *extra, *(_FT_PRELOAD if ft else ()), _GC_FREEZE]
 
 
 def prestart(preload: Sequence[str], *, fork: bool = False) -> bool:

@@ -67,6 +67,7 @@ PRELOAD = (
     "torsh_distributed.federated.secagg",
     "torsh_distributed.federated.client",
     "torsh_distributed.engine.engine",  # what a train message runs
+    "torsh_distributed.runtime._gc_freeze",  # last: a ClientApp's collections skip all of the above
 )
 """What the forkserver imports once per SuperNode, for every ClientApp process forked from it."""
 

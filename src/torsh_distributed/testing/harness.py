@@ -161,7 +161,8 @@ def _context() -> mp.context.BaseContext:
     ctx = mp.get_context(method)
     if method == "forkserver":
         extra = [m.strip() for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m.strip()]
-        ctx.set_forkserver_preload([*_PRELOAD, *extra])
+        # last: the ranks' garbage collections skip what the preload created
+        ctx.set_forkserver_preload([*_PRELOAD, *extra, "torsh_distributed.runtime._gc_freeze"])
     return ctx
 
 

@@ -27,7 +27,7 @@ import socket
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["start_forked"]
@@ -44,9 +44,10 @@ def _open_fds() -> set[int]:
     return {int(name) for name in names}
 
 
-def start_forked(server: Any, preload: Sequence[str]) -> None:
+def start_forked(server: Any, preload: Sequence[str], *, in_server: Callable[[], None]) -> None:
     """Start ``server`` (the stdlib's ``multiprocessing.forkserver._forkserver``) as a fork of
-    this process, preloading ``preload``; as ``ForkServer.ensure_running`` does otherwise."""
+    this process, preloading ``preload``; as ``ForkServer.ensure_running`` does otherwise.
+    ``in_server`` runs first thing in the forked server (``_warm.become_server``)."""
     from multiprocessing import connection, resource_tracker, util
 
     inherited = _open_fds() - {0, 1, 2}
@@ -72,7 +73,7 @@ def start_forked(server: Any, preload: Sequence[str]) -> None:
             os.close(alive_w)
             raise
         if pid == 0:
-            _serve(listener.fileno(), alive_r, alive_w, inherited, preload)  # never returns
+            _serve(listener.fileno(), alive_r, alive_w, inherited, preload, in_server)  # no return
         os.close(alive_r)
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
@@ -80,7 +81,7 @@ def start_forked(server: Any, preload: Sequence[str]) -> None:
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, inherited: set[int],
-           preload: Sequence[str]) -> None:
+           preload: Sequence[str], in_server: Callable[[], None]) -> None:
     code = 0
     try:
         gc.freeze()  # the launcher's objects stay as they are: none is collected here
@@ -89,9 +90,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, inherited: set[int],
                 os.close(fd)
         from multiprocessing import forkserver
 
-        from torsh_distributed.elastic import _warm
-
-        _warm.become_server()
+        in_server()
         forkserver.main(listener_fd, alive_r, list(preload))
     except SystemExit as exc:  # the end of the launcher and its workers (EOF on the alive pipe)
         code = exc.code if isinstance(exc.code, int) else 0

@@ -146,7 +146,7 @@ def prestart(preload: Sequence[str], *, fork: bool = False) -> bool:
     if fork and _may_fork():
         from torsh_distributed.elastic._fork_server import start_forked
 
-        start_forked(server, list(preload))
+        start_forked(server, list(preload), in_server=become_server)
     else:
         forkserver.ensure_running()
     return True

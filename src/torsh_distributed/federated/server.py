@@ -200,10 +200,21 @@ class RoundLoop:
         wait = scaled_start_timeout(120.0)  # SuperNodes starting on a busy host take longer
         connected = wait_for_clients(self.grid, min(cfg.expected_nodes, max(cfg.min_clients, 1)), timeout=wait)
         if first == 1:
-            wait_for_clients(self.grid, cfg.expected_nodes, timeout=wait)
+            connected = wait_for_clients(self.grid, cfg.expected_nodes, timeout=wait)
             initial = self._evaluate(global_state) if not cfg.initial_state else {}
             if initial:
                 self.log(f"federated: round 0 (initial model) val loss {initial['loss']:.4f}")
+        elif connected < cfg.expected_nodes:
+            # Resumed: the others usually reconnect within seconds (a whole federation restarted
+            # at once: its SuperNodes connect one by one), and the first round would sample only
+            # those already back. Wait for them up to one round deadline, then go on with the
+            # min_clients connected (a client gone for good must not stop the run).
+            try:
+                connected = wait_for_clients(
+                    self.grid, cfg.expected_nodes, timeout=min(wait, cfg.round_timeout)
+                )
+            except TimeoutError:
+                connected = len(list(self.grid.get_node_ids()))
         self.log(
             f"federated: {cfg.strategy}, {cfg.clients} clients ({connected} connected), rounds "
             f"{first}..{cfg.rounds}, deadline {cfg.round_timeout:g} s per round"

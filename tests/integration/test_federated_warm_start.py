@@ -25,31 +25,40 @@ pytestmark = pytest.mark.timeout(400)
 APP = Path(__file__).with_name("_federated_probe_app")
 
 
-def _probe(tmp_path: Path, start_method: str, *, messages: int = 2) -> list[dict[str, float]]:
+def _probe(
+    tmp_path: Path, start_method: str, *, messages: int = 2, nodes: int = 1
+) -> tuple[list[dict[str, float]], dict[str, int]]:
+    """The replies, and the pids of the processes the federation started, by name."""
     app = tmp_path / start_method / "app"
     shutil.copytree(APP, app)
     result = tmp_path / start_method / "replies.json"
-    config = FederatedConfig(clients=1, run_dir=str(tmp_path / start_method / "run"))
+    config = FederatedConfig(clients=nodes, run_dir=str(tmp_path / start_method / "run"))
     lines: list[str] = []
     fed = Federation(config, echo=lines.append, start_method=start_method)
     with fed.running():
-        code = fed.submit(timeout=300, app=app, run_config=f'messages={messages} nodes=1 result="{result}"')
+        pids = {name: proc.pid for name, proc in fed.procs.items()}
+        code = fed.submit(timeout=300, app=app,
+                          run_config=f'messages={messages} nodes={nodes} result="{result}"')  # fmt: skip
     assert code == 0, lines
     replies = json.loads(result.read_text())
-    assert len(replies) == messages
-    return replies
+    assert len(replies) == messages * nodes
+    return replies, pids
 
 
 def test_each_message_gets_a_fresh_clientapp_process_forked_with_torch_already_imported(tmp_path: Path) -> None:
-    replies = _probe(tmp_path, "forkserver")
-    assert [r["torch-before-app"] for r in replies] == [1, 1]
-    assert len({r["pid"] for r in replies}) == 2  # a process per message, as Flower's own
-    assert [r["handled"] for r in replies] == [1, 1]  # nothing of the first message's process left
+    """Two nodes, two messages each: four fresh processes, all forked from the one forkserver the
+    federation started for its local nodes (``clientapps``), none from a server per node."""
+    replies, pids = _probe(tmp_path, "forkserver", nodes=2)
+    assert [r["torch-before-app"] for r in replies] == [1, 1, 1, 1]
+    assert len({r["pid"] for r in replies}) == 4  # a process per message, as Flower's own
+    assert [r["handled"] for r in replies] == [1, 1, 1, 1]  # nothing of an earlier process left
     assert all(r["named-flwr-clientapp"] and r["torch-ok"] for r in replies)
+    assert {r["ppid"] for r in replies} == {pids["clientapps"]}
 
 
 def test_flowers_own_superexec_starts_clientapps_cold(tmp_path: Path) -> None:
-    replies = _probe(tmp_path, "spawn")
+    replies, pids = _probe(tmp_path, "spawn")
+    assert "clientapps" not in pids
     assert [r["torch-before-app"] for r in replies] == [0, 0]
     assert len({r["pid"] for r in replies}) == 2
     assert all(r["named-flwr-clientapp"] and r["torch-ok"] for r in replies)

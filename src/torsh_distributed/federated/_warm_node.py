@@ -57,7 +57,7 @@ from typing import Any
 
 from torsh_distributed.elastic import _warm
 
-__all__ = ["PRELOAD", "ForkserverExecutor", "main"]
+__all__ = ["PRELOAD", "ForkserverExecutor", "NodeOutput", "main", "serve_clientapps"]
 
 PRELOAD = (
     *_warm.preload_for(None),  # this helper module first, torch, torch._dynamo
@@ -69,7 +69,8 @@ PRELOAD = (
     "torsh_distributed.engine.engine",  # what a train message runs
     "torsh_distributed.runtime._gc_freeze",  # last: a ClientApp's collections skip all of the above
 )
-"""What the forkserver imports once per SuperNode, for every ClientApp process forked from it."""
+"""What the forkserver imports once (per federation for its local SuperNodes, else per SuperNode),
+for every ClientApp process forked from it."""
 
 _CLIENTAPP = "flwr-clientapp"
 _log = logging.getLogger(__name__)
@@ -94,9 +95,30 @@ def _clientapp_argv(spec: Any) -> list[str]:
     return args
 
 
-def run_clientapp(argv: list[str], quiet: bool) -> None:
+class NodeOutput:
+    """The launching node's stdout and stderr, for a ClientApp forked from a forkserver that the
+    federation's local nodes share: passed as an argument of the process, its descriptors go
+    with the fork request (``multiprocessing.reduction.DupFd``) and become the ClientApp's
+    standard output and error when it is unpickled, so each ClientApp writes to its own node's
+    log, as one that its node started does."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, Any]]:
+        from multiprocessing.reduction import DupFd
+
+        return _adopt_output, (DupFd(1), DupFd(2))
+
+
+def _adopt_output(out: Any, err: Any) -> None:
+    for fd, target in ((out.detach(), 1), (err.detach(), 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def run_clientapp(argv: list[str], quiet: bool, output: NodeOutput | None = None) -> None:
     """In a process forked from the forkserver: ``flwr-clientapp ARGV[1:]`` (Flower's main;
-    it exits through ``SystemExit`` with Flower's exit code)."""
+    it exits through ``SystemExit`` with Flower's exit code). ``output``: already this process's
+    stdout and stderr (:class:`NodeOutput`, applied when the arguments were unpickled)."""
+    del output
     # the title first: setproctitle moves the environment block, which must still be the original
     _warm.set_title([sys.executable, *argv])
     if quiet:
@@ -147,7 +169,7 @@ class ForkserverExecutor:
         if spec.task_type != TaskType.CLIENT_APP:
             return self._cold.launch(spec)
         proc = self._context.Process(
-            target=run_clientapp, args=(_clientapp_argv(spec), bool(spec.suppress_output)),
+            target=run_clientapp, args=(_clientapp_argv(spec), bool(spec.suppress_output), NodeOutput()),
             name=f"flwr-clientapp-{spec.task_id}",
         )  # fmt: skip
         try:
@@ -216,20 +238,62 @@ def _run_superexec(address: str, *, parent_pid: int) -> None:
     superexec.run_superexec(runtime_api_address=address, insecure=True, parent_pid=parent_pid)
 
 
+def serve_clientapps(listener_fd: int) -> None:
+    """Be the forkserver of every local SuperNode of a federation (``--serve-clientapps FD``):
+    Python's forkserver loop (:func:`multiprocessing.forkserver.main`) on the listening socket
+    ``FD``, :data:`PRELOAD` imported once for all of them. It runs until it is stopped (the
+    federation stops it with its nodes; the ClientApps it forked share its session)."""
+    from multiprocessing import forkserver
+
+    alive_r, _alive_w = os.pipe()  # held here: the server does not end when a node does
+    try:
+        forkserver.main(listener_fd, alive_r, list(PRELOAD))
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(0)  # no teardown of torch's objects: nothing of this process outlives it
+
+
+def _adopt_server(address: str) -> None:
+    """Fork this node's ClientApps from the federation's shared forkserver at ``address``
+    (:func:`serve_clientapps`) instead of starting one of its own. The stdlib's client side
+    is used as it is; it sends each new process an "alive" descriptor, here the write end of a
+    pipe of this node's (the shared server's lifetime is the federation's, not this node's)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - the stdlib's one forkserver per process
+    read_end, alive_w = os.pipe()
+    os.close(read_end)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server.ensure_running = lambda: None  # run (and stopped) by the federation, not by us
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Start the forkserver, the SuperNode (``argv`` after ``--``) and the SuperExec loop;
-    returns the SuperNode's exit code."""
+    """Start the forkserver (or use the federation's), the SuperNode (``argv`` after ``--``)
+    and the SuperExec loop; returns the SuperNode's exit code. ``--serve-clientapps FD``: be a
+    federation's shared forkserver instead (:func:`serve_clientapps`)."""
     from torsh_distributed.federated.deploy import _die_with_parent
     from torsh_distributed.runtime.busy import scaled_start_timeout
 
     parser = argparse.ArgumentParser(prog="python -m torsh_distributed.federated._warm_node")
-    parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's --host:--port")
+    parser.add_argument("--runtime-api-address", help="the SuperNode's --host:--port")
+    parser.add_argument("--clientapp-server", metavar="ADDRESS",
+                        help="fork ClientApps from this shared forkserver (Federation's)")
+    parser.add_argument("--serve-clientapps", type=int, metavar="FD",
+                        help="be the shared forkserver, listening on the socket FD")
     parser.add_argument("supernode", nargs=argparse.REMAINDER, help="-- flower-supernode ARGS...")
     args = parser.parse_args(argv)
+    if args.serve_clientapps is not None:
+        serve_clientapps(args.serve_clientapps)
     command = args.supernode[1:] if args.supernode[:1] == ["--"] else args.supernode
-    if not command:
-        parser.error("give the flower-supernode command after --")
-    _warm.prestart(PRELOAD)  # imports in the background from here on
+    if not command or not args.runtime_api_address:
+        parser.error("give --runtime-api-address and the flower-supernode command after --")
+    if args.clientapp_server:
+        _adopt_server(args.clientapp_server)
+    else:
+        _warm.prestart(PRELOAD)  # imports in the background from here on
     node = subprocess.Popen(command, preexec_fn=_die_with_parent)
     try:
         _wait_listening(args.runtime_api_address, node, timeout=scaled_start_timeout(60))

@@ -134,6 +134,13 @@ def _worker(task: _Task, results: Any) -> None:
                 if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
                     raise _PortTakenError(f"port {task.master_port} is in use: {exc}") from exc
                 raise
+            # Every rank's connections are up before any rank runs fn: Gloo's connectFullMesh
+            # returns on one rank while a slower peer is still connecting, and a rank whose fn
+            # returned at once (a refusal) exited and closed its end under it ("Connection
+            # closed by peer" in init, seen at load ~15).
+            import torch.distributed as dist
+
+            dist.barrier()
         args, kwargs = pickle.loads(task.call)
         value = fn(*args, **kwargs)
         try:

@@ -36,6 +36,7 @@ def _query(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({
         "torch-before-app": int(TORCH_BEFORE_APP),
         "pid": os.getpid(),
+        "ppid": os.getppid(),
         "handled": _handled,
         "named-flwr-clientapp": int(any("flwr-clientapp" in part for part in me.cmdline()[:2])),
         "start-to-handler-s": time.time() - me.create_time(),

@@ -176,8 +176,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      help="with --app: overrides of the app's [tool.flwr.app.config] (flwr run --run-config)")
     out.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
                      help="how each SuperNode starts its ClientApps, one process per Flower message: forked "
-                     "from a process per node that imported torch and Flower once (forkserver, the default), "
-                     "or a fresh interpreter each (spawn: Flower's own SuperExec)")
+                     "from one process the local SuperNodes share, that imported torch and Flower once "
+                     "(forkserver, the default), or a fresh interpreter each (spawn: Flower's own SuperExec)")
     _add_token_flags(out)
     from torsh_distributed.cli._config_file import add_config_file_arguments
 

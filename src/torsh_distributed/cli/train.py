@@ -488,11 +488,8 @@ def _handle(args: argparse.Namespace) -> int:
     if not inside_launch and _launches(options):
         from torsh_distributed.elastic import _warm
 
-        # the workers' imports run in the forkserver while this process checks and launches;
-        # forked from this process once it has imported torch (the CLI holds nothing else yet)
-        _warm.prestart(
-            _warm.preload_for("torsh_distributed.train", ft=config.ft.enabled), fork=True
-        )
+        # the workers' forkserver, forked from here after `import torch` (docs/multihost.md)
+        _warm.prestart(_warm.preload_for("torsh_distributed.train", ft=config.ft.enabled), fork=True)
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
     if (config.monitor.tensorboard or config.monitor.mlflow) and not inside_launch:

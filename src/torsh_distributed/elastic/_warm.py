@@ -130,8 +130,9 @@ def prestart(preload: Sequence[str], *, fork: bool = False) -> bool:
 
     ``fork``: start the forkserver as a fork of this process right after importing torch here
     (which a launcher imports next anyway), instead of as a fresh interpreter that imports torch
-    again: torch is imported once for the launcher and all its workers, about 1.7 CPU seconds
-    less per launch on the 2-core VM (docs/benchmarks.md, "Start-up"). Only for a process that
+    again: torch is imported once for the launcher and all its workers, about 1.4 CPU seconds
+    less per launch on the 2-core VM (docs/benchmarks.md, "The forkserver forked from the
+    command"). Only for a process that
     holds nothing its workers must not inherit: the ``torsh-dist`` command before it launches
     (:func:`allow_fork`). Anywhere else, where this process runs a Python thread besides the main
     one, or on a platform without ``fork``, the fresh interpreter is started instead

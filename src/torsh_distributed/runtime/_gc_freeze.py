@@ -10,17 +10,15 @@ Nothing is lost: frozen objects are still freed when their references go; only a
 them is never collected, and the server keeps them all alive anyway.
 
 The stdlib's forkserver takes module names to preload, so this is a module: put
-``"torsh_distributed.runtime._gc_freeze"`` last in the list (:data:`NAME`).
+``"torsh_distributed.runtime._gc_freeze"`` last in the list, by name: importing this module
+anywhere else would freeze that process's objects.
 """
 
 from __future__ import annotations
 
 import gc
 
-__all__ = ["NAME"]
-
-NAME = __name__
-"""This module's name, for a preload list."""
+__all__: list[str] = []
 
 gc.collect()  # what is garbage now is not frozen with the rest
 gc.freeze()

@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 CORE_STAMP := $(VENV)/.core-stamp
 STAMP  := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
+# uv with pip's own settings (indexes, find-links, constraints), pip where uv cannot be used:
+# scripts/pip_install.py says which and why. TORSH_INSTALLER=pip asks for pip.
+INSTALL := $(PY) scripts/pip_install.py
 
 .PHONY: demo test install install-core system-deps lint clean gpu-check gpu-wheels
 
@@ -14,14 +17,14 @@ $(PY):
 
 # What `make demo` needs: torch and the package with its required dependencies, no extras.
 # torch is pinned here (the machine's CPU build); the package itself requires torch>=2.4.
-$(CORE_STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e .
+$(CORE_STAMP): $(PY) pyproject.toml scripts/pip_install.py
+	$(INSTALL) "torch==$(TORCH_VERSION)"
+	$(INSTALL) -e .
 	touch $(CORE_STAMP)
 
 # Everything the test suite touches: every extra (Ray, Dask, Flower, Opacus, FastAPI, ...).
 $(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,redis,monitor,plot,ray,dask,energy,federated,serve,hf,tracking,ft]"
+	$(INSTALL) -e ".[dev,redis,monitor,plot,ray,dask,energy,federated,serve,hf,tracking,ft]"
 	touch $(STAMP)
 
 install-core: $(CORE_STAMP)

@@ -38,3 +38,20 @@ def test_two_rank_client_update_equals_one_rank(zero_stage: int) -> None:
         torch.testing.assert_close(pair.state[name], tensor, rtol=0, atol=1e-5)
     moved = sum(float((alone.state[k] - initial[k]).abs().sum()) for k in initial)
     assert moved > 1e-3  # the clients really trained
+
+
+def test_a_client_trains_at_the_threads_its_process_was_given() -> None:
+    """The clients sharing a host train at once: a client's engine keeps the threads its process
+    has (the deployment's ``OMP_NUM_THREADS``), not the engine's default of every core."""
+    from torsh_distributed.runtime.busy import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("one usable core: every default is 1 thread")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _config()
+        train_round(one, Task(one).model().state_dict(), partition_id=0, server_round=1)
+        assert torch.get_num_threads() == 1  # the engine's own default here: usable_cores() // 1
+    finally:
+        torch.set_num_threads(before)

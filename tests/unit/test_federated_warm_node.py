@@ -1,5 +1,5 @@
 """The warm ClientApp start's pieces that need no federation: the SuperNode's command line by
-start method, and ``flwr-clientapp``'s command line equal to the one Flower's own
+start method, and ``flwr-clientapp``'s and ``flwr-serverapp``'s command lines equal to the one Flower's own
 ``SubprocessExecutor`` runs (the deployment itself: tests/integration/test_federated_warm_start.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from torsh_distributed.federated._warm_node import _clientapp_argv
+from torsh_distributed.federated._warm_node import _app_argv
 from torsh_distributed.federated.config import FederatedConfig
 from torsh_distributed.federated.deploy import Federation, supernode_command
 
@@ -28,13 +28,14 @@ def test_supernode_command_by_start_method() -> None:
         Federation(FederatedConfig(clients=1), start_method="thread")
 
 
+@pytest.mark.parametrize("task", ["CLIENT_APP", "SERVER_APP"])
 @pytest.mark.parametrize("tls", [False, True])
-def test_clientapp_command_line_is_flowers_own(monkeypatch: pytest.MonkeyPatch, tls: bool) -> None:
+def test_app_command_line_is_flowers_own(monkeypatch: pytest.MonkeyPatch, tls: bool, task: str) -> None:
     from flwr.supercore.constant import TaskType
     from flwr.supercore.superexec.executor import ExecutionSpec, subprocess_executor
 
     spec = ExecutionSpec(
-        task_type=TaskType.CLIENT_APP, runtime_api_address="127.0.0.1:9100", token="t0k3n", insecure=not tls,
+        task_type=getattr(TaskType, task), runtime_api_address="127.0.0.1:9100", token="t0k3n", insecure=not tls,
         root_certificates_path="/ca.pem" if tls else None, runtime_dependency_install=tls,
         parent_pid=os.getpid(), suppress_output=False, task_id=7,
     )  # fmt: skip
@@ -45,6 +46,6 @@ def test_clientapp_command_line_is_flowers_own(monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setattr(subprocess_executor.subprocess, "Popen", record)
     subprocess_executor.SubprocessExecutor().launch(spec)
-    ours = _clientapp_argv(spec)
-    assert Path(ours[0]).name == started[0][0] == "flwr-clientapp"
+    ours = _app_argv(spec)
+    assert Path(ours[0]).name == started[0][0] == {"CLIENT_APP": "flwr-clientapp", "SERVER_APP": "flwr-serverapp"}[task]
     assert ours[1:] == started[0][1:]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -62,27 +63,34 @@ __all__ = ["PRELOAD", "ForkserverExecutor", "NodeOutput", "main", "serve_clienta
 PRELOAD = (
     *_warm.preload_for(None),  # this helper module first, torch, torch._dynamo
     "flwr.supernode.cli.flwr_clientapp",  # Flower's ClientApp process: its HTTP client, serde, FAB install
+    "flwr.superlink.cli.flwr_serverapp",  # Flower's ServerApp process (a Federation's SuperLinks)
     "torsh_distributed.federated._warm_node",  # the forked process's entry point
     "torsh_distributed.federated.apps",  # the engine's ClientApps (found in sys.modules by Flower's loader)
     "torsh_distributed.federated.secagg",
     "torsh_distributed.federated.client",
+    "torsh_distributed.federated.server",  # what the engine's ServerApp runs
     "torsh_distributed.engine.engine",  # what a train message runs
     "torsh_distributed.runtime._gc_freeze",  # last: a ClientApp's collections skip all of the above
 )
-"""What the forkserver imports once (per federation for its local SuperNodes, else per SuperNode),
-for every ClientApp process forked from it."""
+"""What the forkserver imports once (per federation for its local SuperNodes and its SuperLinks'
+ServerApps, else per SuperNode), for every ClientApp and ServerApp process forked from it."""
 
 _CLIENTAPP = "flwr-clientapp"
+_SERVERAPP = "flwr-serverapp"
+_WARM_TASKS = {_CLIENTAPP: "flwr.supernode.cli.flwr_clientapp:flwr_clientapp",
+               _SERVERAPP: "flwr.superlink.cli.flwr_serverapp:flwr_serverapp"}
+"""The apps forked warm: Flower's command -> its main (``module:function``)."""
 _log = logging.getLogger(__name__)
 
 
-def _clientapp_argv(spec: Any) -> list[str]:
-    """``flwr-clientapp``'s command line for ``spec`` (an ``ExecutionSpec``), as Flower's
-    ``SubprocessExecutor.launch`` builds it."""
-    from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG
+def _app_argv(spec: Any) -> list[str]:
+    """The app's command line for ``spec`` (an ``ExecutionSpec``: ``flwr-clientapp ...`` or
+    ``flwr-serverapp ...``), as Flower's ``SubprocessExecutor.launch`` builds it."""
+    from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TASK_TYPE_TO_COMMAND
 
-    script = Path(sys.executable).parent / _CLIENTAPP
-    args = [str(script) if script.exists() else _CLIENTAPP,
+    command = TASK_TYPE_TO_COMMAND[spec.task_type]
+    script = Path(sys.executable).parent / command
+    args = [str(script) if script.exists() else command,
             TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[spec.task_type], spec.runtime_api_address, "--token", spec.token]  # fmt: skip
     if spec.insecure:
         args.append("--insecure")
@@ -114,10 +122,11 @@ def _adopt_output(out: Any, err: Any) -> None:
         os.close(fd)
 
 
-def run_clientapp(argv: list[str], quiet: bool, output: NodeOutput | None = None) -> None:
-    """In a process forked from the forkserver: ``flwr-clientapp ARGV[1:]`` (Flower's main;
-    it exits through ``SystemExit`` with Flower's exit code). ``output``: already this process's
-    stdout and stderr (:class:`NodeOutput`, applied when the arguments were unpickled)."""
+def run_app(argv: list[str], quiet: bool, output: NodeOutput | None = None) -> None:
+    """In a process forked from the forkserver: ``flwr-clientapp ARGV[1:]`` or ``flwr-serverapp
+    ARGV[1:]`` (Flower's main; it exits through ``SystemExit`` with Flower's exit code).
+    ``output``: already this process's stdout and stderr (:class:`NodeOutput`, applied when the
+    arguments were unpickled)."""
     del output
     # the title first: setproctitle moves the environment block, which must still be the original
     _warm.set_title([sys.executable, *argv])
@@ -127,15 +136,16 @@ def run_clientapp(argv: list[str], quiet: bool, output: NodeOutput | None = None
         os.dup2(devnull, 2)
     _warm.line_buffered_output()
     sys.argv = list(argv)  # argparse and Flower's exit telemetry read it
-    from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
-
-    with _warm.exit_handlers_at_end():  # a user's ClientApp's final flush
-        flwr_clientapp()
+    module, _, function = _WARM_TASKS[Path(argv[0]).name].partition(":")
+    main = getattr(importlib.import_module(module), function)
+    with _warm.exit_handlers_at_end():  # a user's app's final flush
+        main()
 
 
 class ForkserverExecutor:
-    """Flower's SuperExec ``Executor``: ``flwr-clientapp`` processes forked from the
-    forkserver (:data:`PRELOAD`); other task types through Flower's ``SubprocessExecutor``.
+    """Flower's SuperExec ``Executor``: ``flwr-clientapp`` and ``flwr-serverapp`` processes
+    forked from the forkserver (:data:`PRELOAD`); other task types through Flower's
+    ``SubprocessExecutor``.
 
     Like ``SubprocessExecutor`` it has no capacity gate. It keeps the processes it started so
     that :meth:`reconcile` reaps them (a ClientApp that died of a signal is logged) and
@@ -166,16 +176,17 @@ class ForkserverExecutor:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec.executor import LaunchResult
 
-        if spec.task_type != TaskType.CLIENT_APP:
+        if spec.task_type not in (TaskType.CLIENT_APP, TaskType.SERVER_APP):
             return self._cold.launch(spec)
+        argv = _app_argv(spec)
+        command = Path(argv[0]).name
         proc = self._context.Process(
-            target=run_clientapp, args=(_clientapp_argv(spec), bool(spec.suppress_output), NodeOutput()),
-            name=f"flwr-clientapp-{spec.task_id}",
+            target=run_app, args=(argv, bool(spec.suppress_output), NodeOutput()), name=f"{command}-{spec.task_id}",
         )  # fmt: skip
         try:
             proc.start()
         except OSError as err:  # the forkserver is gone: Flower's task expiry applies
-            return LaunchResult.failed(f"could not fork flwr-clientapp from the forkserver: {err}")
+            return LaunchResult.failed(f"could not fork {command} from the forkserver: {err}")
         self._procs.append(proc)
         return LaunchResult.accepted()
 
@@ -205,14 +216,25 @@ class ForkserverExecutor:
         self._cold.close()
 
 
-def _wait_listening(address: str, node: subprocess.Popen[bytes], *, timeout: float) -> None:
-    """Until the SuperNode's Runtime API accepts connections (Flower starts its own SuperExec
-    only after that, ``flower_supernode.py``)."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_listening(address: str, exited: Any, *, timeout: float) -> None:
+    """Until the SuperNode's Runtime API (or the SuperLink's ServerAppIo API) accepts
+    connections (Flower starts its own SuperExec only after that, ``flower_supernode.py``);
+    ``exited()``: the exit code of the process serving it, None while it runs."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if node.poll() is not None:
-            raise SystemExit(node.returncode)
+        if (code := exited()) is not None:
+            raise SystemExit(code)
         with contextlib.suppress(OSError), socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
             return
         time.sleep(0.1)
@@ -273,7 +295,9 @@ def _adopt_server(address: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Start the forkserver (or use the federation's), the SuperNode (``argv`` after ``--``)
     and the SuperExec loop; returns the SuperNode's exit code. ``--serve-clientapps FD``: be a
-    federation's shared forkserver instead (:func:`serve_clientapps`)."""
+    federation's shared forkserver instead (:func:`serve_clientapps`). ``--superlink-pid PID``:
+    only the SuperExec loop, for the ServerApps of a SuperLink started with ``--isolation
+    process`` (:meth:`~torsh_distributed.federated.deploy.Federation.start_superlink`)."""
     from torsh_distributed.federated.deploy import _die_with_parent
     from torsh_distributed.runtime.busy import scaled_start_timeout
 
@@ -283,20 +307,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="fork ClientApps from this shared forkserver (Federation's)")
     parser.add_argument("--serve-clientapps", type=int, metavar="FD",
                         help="be the shared forkserver, listening on the socket FD")
+    parser.add_argument("--superlink-pid", type=int, metavar="PID",
+                        help="no SuperNode: be the SuperExec of this SuperLink's ServerApps "
+                             "(--runtime-api-address: its --serverappio-api-address)")
     parser.add_argument("supernode", nargs=argparse.REMAINDER, help="-- flower-supernode ARGS...")
     args = parser.parse_args(argv)
     if args.serve_clientapps is not None:
         serve_clientapps(args.serve_clientapps)
     command = args.supernode[1:] if args.supernode[:1] == ["--"] else args.supernode
-    if not command or not args.runtime_api_address:
-        parser.error("give --runtime-api-address and the flower-supernode command after --")
+    if not args.runtime_api_address or (not command and args.superlink_pid is None):
+        parser.error("give --runtime-api-address and the flower-supernode command after -- (or --superlink-pid)")
     if args.clientapp_server:
         _adopt_server(args.clientapp_server)
     else:
         _warm.prestart(PRELOAD)  # imports in the background from here on
+    timeout = scaled_start_timeout(60)
+    if args.superlink_pid is not None:
+        link = args.superlink_pid
+        with contextlib.suppress(SystemExit, KeyboardInterrupt):  # the SuperLink ended, or Ctrl-C
+            _wait_listening(args.runtime_api_address, lambda: None if _pid_alive(link) else 1, timeout=timeout)
+            _run_superexec(args.runtime_api_address, parent_pid=link)
+        return 0
     node = subprocess.Popen(command, preexec_fn=_die_with_parent)
     try:
-        _wait_listening(args.runtime_api_address, node, timeout=scaled_start_timeout(60))
+        _wait_listening(args.runtime_api_address, node.poll, timeout=timeout)
         _run_superexec(args.runtime_api_address, parent_pid=node.pid)
     except (SystemExit, KeyboardInterrupt):
         pass  # Flower's exit after a signal or when the SuperNode is gone; Ctrl-C before that

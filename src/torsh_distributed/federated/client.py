@@ -140,6 +140,11 @@ def local_train(
         optim=OptimConfig(grad_clip=0.0),
         parallel=ParallelConfig(zero_stage=client.zero_stage),
         energy=EnergyConfig(meter="off"),
+        # the threads this process was started with (the deployment's OMP_NUM_THREADS, 1 unless
+        # the user set it), not the engine's default of every core per rank: the clients that
+        # share a host train at the same time (4 local clients at 2 threads each on 2 cores
+        # spun in OpenMP's waits: 5.6-13 CPU-s for the same round)
+        threads=torch.get_num_threads(),
     )
     engine = Engine(
         model,

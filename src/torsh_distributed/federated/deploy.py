@@ -255,6 +255,8 @@ class Federation:
     _relay: Relay | None = None
     _ports: set[int] = field(default_factory=set)
     """Ports of the SuperLinks and SuperNodes started here (their app processes name them)."""
+    _apps_server: str | None = None
+    """The address of the forkserver shared by this federation's apps (``forkserver`` only)."""
 
     def __post_init__(self) -> None:
         check_start_method(self.start_method)
@@ -303,12 +305,13 @@ class Federation:
         return proc
 
     def _start_clientapp_server(self) -> str | None:
-        """``forkserver``: start the one forkserver every local SuperNode forks its ClientApps
-        from (torch, Flower and the engine imported once for the federation, not once per
-        node: ~3.4 CPU-s and a torch-sized process less per further client); returns its
-        address. ``spawn``: None."""
-        if self.start_method != "forkserver":
-            return None
+        """``forkserver``: start (once) the forkserver that every local SuperNode forks its
+        ClientApps from, and every SuperLink started here its ServerApps (torch, Flower and the
+        engine imported once for the federation, not once per node and per run: ~3.4 CPU-s and a
+        torch-sized process less per further client, ~3.5 CPU-s less per ServerApp); returns
+        its address. ``spawn``: None."""
+        if self.start_method != "forkserver" or self._apps_server is not None:
+            return self._apps_server
         from multiprocessing import connection
 
         # a path only this user can open, as the stdlib's forkserver makes its own
@@ -321,6 +324,7 @@ class Federation:
             fd = listener.fileno()
             self._spawn("clientapps", [sys.executable, "-m", "torsh_distributed.federated._warm_node",
                                        "--serve-clientapps", str(fd)], pass_fds=(fd,))  # fmt: skip
+        self._apps_server = address
         return address
 
     @contextlib.contextmanager
@@ -331,6 +335,7 @@ class Federation:
             exposed = not _is_loopback(self.host)
             self.port = self.port or free_port(self.host)
             self._link_port = free_port() if exposed else self.port
+            self._start_clientapp_server()
             self.start_superlink("superlink", self.run_dir / "flwr", port=self._link_port)
             if exposed:
                 self._relay = Relay(
@@ -378,16 +383,27 @@ class Federation:
         return started
 
     def start_superlink(self, name: str, state_dir: Path, *, port: int = 0) -> int:
-        """Start a SuperLink on 127.0.0.1 (its database in ``state_dir``); returns its port."""
+        """Start a SuperLink on 127.0.0.1 (its database in ``state_dir``); returns its port.
+
+        ``forkserver``: the SuperLink runs with ``--isolation process`` and its SuperExec is
+        ``_warm_node --superlink-pid`` (log ``NAME-serverapps``), which forks each run's
+        ``flwr-serverapp`` from the federation's forkserver instead of starting an interpreter
+        that imports torch and Flower again; the SuperExec and the ServerApp end with the
+        SuperLink, as Flower's own do. ``spawn``: Flower's own SuperExec."""
         port = port or free_port()
         state_dir.mkdir(parents=True, exist_ok=True)
-        proc = self._spawn(
-            name,
-            # Flower's in-memory state: its SQLite file locked under load and broke the log stream;
-            # a resumed server starts from our own checkpoints anyway
-            [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port)],
-            home=state_dir / "home",
-        )  # fmt: skip
+        # Flower's in-memory state: its SQLite file locked under load and broke the log stream;
+        # a resumed server starts from our own checkpoints anyway
+        cmd = [_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port)]
+        server = self._start_clientapp_server()
+        if server is not None:
+            cmd[1:1] = ["--isolation", "process"]
+        proc = self._spawn(name, cmd, home=state_dir / "home")
+        if server is not None:
+            self._spawn(f"{name}-serverapps", [
+                sys.executable, "-m", "torsh_distributed.federated._warm_node", "--runtime-api-address",
+                f"127.0.0.1:{port}", "--clientapp-server", server, "--superlink-pid", str(proc.pid),
+            ], home=state_dir / "home")  # fmt: skip
         _wait_port("127.0.0.1", port, proc, what=name, timeout=scaled_start_timeout(60))
         return port
 

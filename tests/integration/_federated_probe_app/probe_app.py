@@ -1,6 +1,7 @@
 """A user's own Flower app (its ServerApp and ClientApp; nothing of torsh_distributed): the
 ServerApp sends ``messages`` query messages, one after the other, to each of ``nodes`` nodes and
-writes every reply's metrics to ``result`` (JSON). Each ClientApp process answers with how it
+writes every reply's metrics to ``result`` (JSON), and how its own process started next to it
+(``*.server.json``). Each ClientApp process answers with how it
 started: whether torch was imported before Flower loaded this module, its pid and command line,
 how many messages this module has handled in this process, and the seconds (wall and CPU) from
 the process's creation to the handler, the app's own ``import torch`` included."""
@@ -62,4 +63,10 @@ def _main(grid: Grid, context: Context) -> None:
             if reply.has_error():
                 raise RuntimeError(f"a ClientApp failed: {reply.error.reason}")
             replies.append({**dict(reply.content["metrics"]), "round-trip-s": time.monotonic() - sent})
-    Path(str(context.run_config["result"])).write_text(json.dumps(replies))
+    result = Path(str(context.run_config["result"]))
+    result.write_text(json.dumps(replies))
+    me = psutil.Process()  # how this ServerApp's process started
+    result.with_suffix(".server.json").write_text(json.dumps({
+        "torch-before-app": int(TORCH_BEFORE_APP), "pid": os.getpid(), "ppid": os.getppid(),
+        "named-flwr-serverapp": int(any("flwr-serverapp" in part for part in me.cmdline()[:2])),
+    }))  # fmt: skip

@@ -35,7 +35,26 @@ def _cgroup_usage(group: str) -> float:
         return int(f.read()) / 1e9
 
 
+def _share_cores_with_the_other_workers() -> None:
+    """Under pytest-xdist, each worker's own torch work (tests that compute in this process) runs
+    on its share of the cores, as the harness gives each rank its share: torch's default is every
+    core per process, and two workers' thread pools on 2 cores spin in OpenMP's waits while the
+    other worker runs. ``OMP_NUM_THREADS``, when set, is left to decide."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        from torsh_distributed.runtime.busy import usable_cores
+
+        torch.set_num_threads(max(1, usable_cores() // workers))
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _share_cores_with_the_other_workers()
+    _measure_cpu(config)
+
+
+def _measure_cpu(config: pytest.Config) -> None:
     """Each pytest process (an xdist worker too) moves into a cgroup of its own; every process it
     starts (ranks, launchers, servers, forkservers: wherever they are reaped) stays in it, so its
     CPU counter is exactly what this process's tests cost, even beside another worker. Linux with

@@ -193,7 +193,9 @@ def test_harness_never_loses_returned_tensors():
             assert res["rank"] == rank
             gen = torch.Generator().manual_seed(seed * 100 + rank)
             assert torch.equal(res["big"], torch.randn(1 << 20, generator=gen))
-            assert res["sum"] == float(res["big"].sum())
+            # the rank summed with its own intra-op threads (the harness gives each rank its
+            # share of the cores), this process with its own: the same values, another order
+            assert res["sum"] == pytest.approx(float(res["big"].sum()), rel=1e-5)
             assert [t[0].item() for t in res["many"]] == [float(i + rank) for i in range(200)]
             assert torch.equal(res["view"], res["big"][3:1000:7])
 

@@ -5,6 +5,7 @@ count; imports under ``if TYPE_CHECKING:`` do not)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
+@functools.cache  # parsed once for every test of this file (~1 s of CPU a parse)
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}

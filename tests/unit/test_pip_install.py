@@ -36,7 +36,7 @@ def test_indexes_links_and_constraints_reach_uv_and_the_environment_wins():
     assert settings["find-links"] == ["/opt/wheels"]
     args, env = m.uv_arguments(settings)
     assert args[:2] == ["--index-strategy", "unsafe-best-match"]
-    pairs = list(zip(args[2::2], args[3::2]))
+    pairs = list(zip(args[2::2], args[3::2], strict=True))
     assert ("--constraint", "/etc/xdg/pip/constraints.txt") in pairs
     assert ("--extra-index-url", "file:///opt/a/simple") in pairs
     assert ("--extra-index-url", "file:///opt/b/simple") in pairs

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -65,6 +64,7 @@ from torsh_distributed.parallel.tensor import (
 )
 from torsh_distributed.parallel.tp_plan import TPPlan
 from torsh_distributed.runtime import world
+from torsh_distributed.runtime.busy import usable_cores
 
 __all__ = ["EVAL_STEP_BASE", "EngineInputs", "Run", "accumulate"]
 
@@ -175,7 +175,7 @@ class Run:
             cfg.compression, zero_stage=par.zero_stage, algorithm=cfg.comm.algorithm, seed=cfg.seed
         )
         self._stack.callback(self.compression.close)
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // world.local_world_size())
+        threads = cfg.threads or max(1, usable_cores() // world.local_world_size())  # affinity mask
         torch.set_num_threads(threads)
         activation_bytes, per_dp = engine.activation_bytes, self.plan.per_dp
         self.memory = MemoryReport(  # RSS now = the process baseline

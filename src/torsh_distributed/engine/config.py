@@ -155,7 +155,8 @@ class EngineConfig:
     several ranks of one host, where shared memory works; else Gloo), ``gloo``, ``nccl``,
     ``gloo+shm`` (shared-memory collectives inside a node, docs/shm.md)."""
     threads: int = 0
-    """Torch intra-op threads per rank; 0 = CPU cores divided by local ranks."""
+    """Torch intra-op threads per rank; 0 = the cores this process may use (its affinity mask)
+    divided by local ranks."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     summary_json: str = ""

@@ -154,7 +154,6 @@ class Run:
     def __exit__(self, *exc: Any) -> None:
         self._stack.__exit__(*exc)  # the monitor's trackers record a raised run as failed
 
-    # --- setup -----------------------------------------------------------------------------
 
     def setup(self) -> None:
         """Validate, build and resume; every rank calls it (collective once the groups exist).

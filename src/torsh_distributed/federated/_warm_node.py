@@ -53,6 +53,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +227,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _wait_listening(address: str, exited: Any, *, timeout: float) -> None:
+def _wait_listening(address: str, exited: Callable[[], int | None], *, timeout: float) -> None:
     """Until the SuperNode's Runtime API (or the SuperLink's ServerAppIo API) accepts
     connections (Flower starts its own SuperExec only after that, ``flower_supernode.py``);
     ``exited()``: the exit code of the process serving it, None while it runs."""

@@ -50,9 +50,11 @@ demo: install-core
 
 # --junitxml: every test's duration (runs/pytest-junit*.xml, ignored by git) for finding where the
 # suite's time goes; --durations prints the slowest. The suite runs on TEST_WORKERS pytest-xdist
-# workers, a whole test file per worker at a time (--dist loadfile: module fixtures stay shared);
+# workers, a whole test file per worker at a time (--dist loadfile: module fixtures stay shared),
+# the longest files first (--no-loadscope-reorder keeps tests/conftest.py's order, from
+# tests/durations.json: refresh it with scripts/test_durations.py);
 # then the few tests marked `serial` (timed against the wall clock in 1-2 s slots) run alone.
-# One test runs in place: `.venv/bin/python -m pytest tests/unit/test_env.py`.
+# One test runs in place: `.venv/bin/python -m pytest tests/unit/test_pip_install.py`.
 TEST_WORKERS ?= 2
 # compileall: this package's modules as bytecode once, so that a host with PYTHONDONTWRITEBYTECODE
 # set (this VM's shell) does not compile them from source again in every process the suite starts
@@ -64,7 +66,7 @@ SERIAL_FILES = $(or $(shell grep -rlE --include='*.py' 'pytest\.mark\.serial' te
 test: system-deps install
 	$(PY) -m compileall -q src > /dev/null
 	status=0; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=30 \
 		--junitxml=runs/pytest-junit.xml tests || status=$$?; \
 	$(PY) -m pytest -q -m serial --durations=5 --junitxml=runs/pytest-junit-serial.xml $(SERIAL_FILES) \
 		|| status=$$((status ? status : $$?)); \

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,27 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 os.environ.setdefault(
     "TORSH_TEST_PRELOAD", "torsh_distributed.engine.engine,torsh_distributed.train.trainer"
 )
+
+
+# --- the longest test files first (docs/testing.md, "Suite time") ---------------------------------
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def longest_files_first(items: list[pytest.Item], table: dict[str, float]) -> None:
+    """Sort ``items`` in place by their file's duration in ``table``, longest first, each file's
+    tests kept together and in their order; a file missing from the table counts the median."""
+    default = statistics.median(table.values()) if table else 0.0
+    items.sort(key=lambda item: -table.get(item.nodeid.split("::", 1)[0], default))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, `make test`'s workers (`--dist loadfile --no-loadscope-reorder`) take
+    whole files in collection order: longest first (tests/durations.json, written by
+    scripts/test_durations.py from a run), so the files a worker starts last are short ones and
+    the workers end together. xdist's own order puts the files with the most tests first, which
+    left the few long end-to-end files for last."""
+    if "PYTEST_XDIST_WORKER" in os.environ and DURATIONS.is_file():
+        longest_files_first(items, json.loads(DURATIONS.read_text()))
 
 
 @pytest.fixture(autouse=True)
@@ -76,8 +100,9 @@ _CPU_GROUP = pytest.StashKey[str]()
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
-    """One line per test in TORSH_TEST_CPU_LOG: ``cpu_s wall_s nodeid`` (set-up and teardown
-    included: a module fixture counts in its module's first test)."""
+    """One line per test in TORSH_TEST_CPU_LOG: ``cpu_s wall_s nodeid end_unix_s worker`` (set-up
+    and teardown included: a module fixture counts in its module's first test; the end time and
+    the xdist worker show how the workers' time lines end)."""
     group = item.config.stash.get(_CPU_GROUP, None)
     if group is None:
         yield
@@ -87,7 +112,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
     c0, w0 = _cgroup_usage(group), time.monotonic()
     yield
     with open(os.environ["TORSH_TEST_CPU_LOG"], "a") as out:
-        out.write(f"{_cgroup_usage(group) - c0:.2f} {time.monotonic() - w0:.2f} {item.nodeid}\n")
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        cpu, wall = _cgroup_usage(group) - c0, time.monotonic() - w0
+        out.write(f"{cpu:.2f} {wall:.2f} {item.nodeid} {time.time():.1f} {worker}\n")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

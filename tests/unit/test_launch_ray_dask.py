@@ -263,3 +263,10 @@ def _replace_port(placement: _workers.Placement, port: int) -> _workers.Placemen
 )
 def test_outcome_severity(error: str, exception: BaseException | None, severity: int) -> None:
     assert RankOutcome(rank=0, ok=False, error=error, exception=exception).severity == severity
+
+
+def test_a_short_collective_timeout_does_not_shorten_the_start() -> None:
+    # timeout_s=30 fails fast on a hung peer; starting workers on a busy host still gets 300 s
+    assert JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30).start_s == 300.0
+    assert JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=900).start_s == 900.0
+    assert JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30, start_timeout_s=5).start_s == 5.0

@@ -103,7 +103,8 @@ class JobSpec:
     """Seconds allowed for the rendezvous and for each collective."""
     start_timeout_s: float | None = None
     """Seconds allowed to get the workers (placed, started, ``fn``'s imports done);
-    ``None``: ``timeout_s``."""
+    ``None``: ``timeout_s`` or :data:`DEFAULT_TIMEOUT_S`, whichever is longer (a short
+    ``timeout_s``, set to fail fast on a hung peer, does not shorten the start on a busy host)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables set on every rank for the duration of the call."""
     backend: str = "auto"
@@ -124,7 +125,8 @@ class JobSpec:
             raise TypeError("kwargs must be a mapping with str keys")
         object.__setattr__(self, "kwargs", dict(self.kwargs))
         object.__setattr__(self, "timeout_s", _seconds("timeout_s", self.timeout_s))
-        start = self.timeout_s if self.start_timeout_s is None else self.start_timeout_s
+        start = (max(self.timeout_s, DEFAULT_TIMEOUT_S) if self.start_timeout_s is None
+                 else self.start_timeout_s)
         object.__setattr__(self, "start_timeout_s", _seconds("start_timeout_s", start))
         if not isinstance(self.env, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()

@@ -54,7 +54,9 @@ def dask(
             ``timeout_s`` + 10 s of the fault (a dead worker is noticed within about a second);
             too small a value fails slow but healthy steps.
         start_timeout_s: Seconds allowed from the call until every rank is ready to rendezvous:
-            enough workers, and ``fn``'s imports done on each. ``None``: ``timeout_s``.
+            enough workers, and ``fn``'s imports done on each. ``None``: ``timeout_s`` or 300 s,
+            whichever is longer (a short ``timeout_s`` does not shorten the start on a busy
+            cluster).
         client: A connected ``distributed.Client`` to use (left open). Ranks still running when
             the job fails are stopped by ending their worker processes, which their nannies
             replace (``dask worker`` and ``LocalCluster(processes=True)`` have nannies; a

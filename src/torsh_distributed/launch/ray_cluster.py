@@ -52,7 +52,8 @@ def ray(
             while the others wait).
         start_timeout_s: Seconds allowed from the call until every rank is ready to rendezvous:
             the reservation of the workers' resources, the actors' start and ``fn``'s imports.
-            ``None``: ``timeout_s``.
+            ``None``: ``timeout_s`` or 300 s, whichever is longer
+            (a short ``timeout_s`` does not shorten the start on a busy cluster).
         address: ``None``: the running Ray session, else ``RAY_ADDRESS``, else a new local
             cluster with enough CPUs for the job, shut down at the end. Otherwise passed to
             ``ray.init(address=...)``.

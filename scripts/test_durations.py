@@ -49,7 +49,9 @@ def durations(reports: list[Path]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", type=Path, help="JUnit XML files of one run")
-    parser.add_argument("--out", type=Path, default=TABLE, help=f"default: {TABLE.relative_to(ROOT)}")
+    parser.add_argument(
+        "--out", type=Path, default=TABLE, help=f"default: {TABLE.relative_to(ROOT)}"
+    )
     args = parser.parse_args(argv)
     for report in args.reports:
         if not report.is_file():

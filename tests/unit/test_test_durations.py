@@ -23,7 +23,9 @@ def _load(path: Path, name: str) -> ModuleType:
 def test_every_file_in_the_table_exists():
     table = json.loads((ROOT / "tests" / "durations.json").read_text())
     stale = [path for path in table if not (ROOT / path).is_file()]
-    assert not stale, f"tests/durations.json names files that are gone: {stale} (scripts/test_durations.py)"
+    assert not stale, (
+        f"tests/durations.json names files that are gone: {stale} (scripts/test_durations.py)"
+    )
     assert all(isinstance(s, (int, float)) and s >= 0 for s in table.values())
 
 

@@ -125,8 +125,11 @@ class JobSpec:
             raise TypeError("kwargs must be a mapping with str keys")
         object.__setattr__(self, "kwargs", dict(self.kwargs))
         object.__setattr__(self, "timeout_s", _seconds("timeout_s", self.timeout_s))
-        start = (max(self.timeout_s, DEFAULT_TIMEOUT_S) if self.start_timeout_s is None
-                 else self.start_timeout_s)
+        start = (
+            max(self.timeout_s, DEFAULT_TIMEOUT_S)
+            if self.start_timeout_s is None
+            else self.start_timeout_s
+        )
         object.__setattr__(self, "start_timeout_s", _seconds("start_timeout_s", start))
         if not isinstance(self.env, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()

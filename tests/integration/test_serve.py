@@ -622,8 +622,12 @@ def test_cli_tp2_serves_the_openai_api_with_the_same_answers_and_releases_every_
         assert (
             len([p for p in ranks if "torsh_distributed.cli.serve" in " ".join(p.cmdline())]) == 2
         )
+        sent = time.monotonic()
         served.proc.send_signal(signal.SIGTERM)
         served.proc.wait(60)
+        # ranks that returned exit at once: torch's agent kept them waiting its whole 30 s
+        # shutdown timeout, then SIGKILLed them (elastic/_agent.py)
+        assert time.monotonic() - sent < 20, served.output()
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"ranks still running after SIGTERM: {alive}"
         out = served.output()

@@ -2,10 +2,19 @@
 
 torch's agent restarts a failed worker group silently (its own log line is at INFO, hidden unless
 ``--verbose``, and names neither the rank nor the signal). :class:`_ReportingAgent` is torch's
-``LocalElasticAgent`` with one addition: when ``_monitor_workers`` (the hook the agent's
-implementations provide) finds failed workers and a restart is left, it prints which ranks failed
-and the restart number (:func:`~torsh_distributed.elastic._report.report_restart`). Everything
-else, including the decision to restart, stays torch's.
+``LocalElasticAgent`` with two additions:
+
+* when ``_monitor_workers`` (the hook the agent's implementations provide) finds failed workers
+  and a restart is left, it prints which ranks failed and the restart number
+  (:func:`~torsh_distributed.elastic._report.report_restart`);
+* when it stops the workers (a signal to the launcher, or a restart), workers started as a
+  function (the warm forkserver path) that have already returned exit at once. torch's
+  ``MultiprocessContext`` keeps such a worker waiting for an event that only its polling loop
+  sets, and its ``close`` does not: each stop waited the whole 30 s shutdown timeout and then
+  SIGKILLed workers that had finished cleanly (a 2-rank `torsh-dist serve` took 31 s to stop
+  after SIGTERM).
+
+Everything else, including the decision to restart, stays torch's.
 
 ``launch_agent`` builds its agent from the module-level name ``LocalElasticAgent`` of
 ``torch.distributed.launcher.api``; :func:`reporting_agent` points that name at the subclass for
@@ -55,6 +64,31 @@ class _ReportingAgent(LocalElasticAgent):
                 out=out,
             )
         return result
+
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        _release_returned_workers(self._pcontext)
+        super()._shutdown(*args, **kwargs)
+
+
+def _release_returned_workers(pcontext: Any) -> None:
+    """Let function workers exit once they return (see the module docstring); workers still
+    running are not affected (they look at the event only after their function returns).
+
+    torch's own warning: setting the event deadlocks when a worker died while waiting on it
+    (the condition waits for every sleeper to wake). A worker that returned (its value queued)
+    and is gone died waiting (torch stops the others when one fails): then the event is left
+    alone. The set runs in a daemon thread, joined briefly, so no other case can hang a stop."""
+    finished = getattr(pcontext, "_worker_finished_event", None)
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    queues = getattr(pcontext, "_ret_vals", None)
+    if finished is None or processes is None or queues is None:
+        return  # spawned workers (a command line): nothing waits
+    for local_rank, proc in enumerate(processes):
+        if not proc.is_alive() and not queues[local_rank].empty():
+            return
+    setter = threading.Thread(target=finished.set, name="torsh-release-workers", daemon=True)
+    setter.start()
+    setter.join(1.0)
 
 
 def _add_other_failures(pcontext: Any, worker_group: WorkerGroup, result: RunResult) -> None:

@@ -82,6 +82,7 @@ def launch_scaled(
 ) -> int:
     """Carbon-aware scaling: the job in segments, each at the size the series asks for."""
     from torsh_distributed.elastic.resize import launch_resizing, launch_resizing_nodes
+    from torsh_distributed.energy.refresh import SeriesWatch
     from torsh_distributed.energy.shift import clock_text
 
     unit = options.nproc_per_node if scaled.nodes else 1
@@ -100,8 +101,14 @@ def launch_scaled(
     policy = config.carbon.scale_policy(runnable)
     # here, not at config construction: a later segment may start after the series' end
     policy.check(time.time())
+    watch = (SeriesWatch(config.carbon.series, lambda: config.carbon.scale_policy(runnable),
+                         lambda line: print(f"torsh-dist: {line}", flush=True))
+             if config.carbon.refresh > 0 else None)
 
     def choose(now: float) -> tuple[int, dict[str, Any]]:
+        nonlocal policy
+        if watch is not None and (fresh := watch()) is not None:  # each segment: the series now
+            policy = fresh
         target = policy.target(now)
         where = (f"intensity {target.intensity:g} g/kWh" if target.intensity is not None
                  else "outside the series")

@@ -103,6 +103,11 @@ class CarbonConfig:
     MIN:MAX): MAX workers in the series' cleanest slot, MIN in its dirtiest, linear in between;
     at a change the job checkpoints and restarts at the new size, if the new size holds longer
     than a restart takes. Not with --carbon.max-intensity."""
+    refresh: float = field(default=60.0, metadata={"flags": []})
+    """Seconds: while time shifting or scaling, --carbon.series is read again when the file
+    changes (a forecast another job refreshes: write the new file, then rename it over the old
+    one), looked at at least this often; a change that does not parse is reported and the old
+    series kept. 0 = read once."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.intensity) or self.intensity < 0:
@@ -123,6 +128,8 @@ class CarbonConfig:
                 f"carbon.deadline {self.deadline!r} bounds time shifting: give --carbon.max-intensity X "
                 "with it (without it the job never pauses)"
             )
+        if not math.isfinite(self.refresh) or self.refresh < 0:
+            raise ValueError(f"carbon.refresh must be >= 0 seconds (0 = read the series once), got {self.refresh}")
         if self.scale and not self.series:
             raise ValueError(
                 "carbon.scale needs --carbon.series FILE: scaling follows the intensity over time "

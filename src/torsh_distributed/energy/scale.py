@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torsh_distributed.energy.carbon import IntensitySeries
+from torsh_distributed.energy.refresh import cap_gap
 from torsh_distributed.energy.shift import Broadcast, clock_text, default_broadcast
 
 __all__ = ["CarbonScale", "ScalePolicy", "Target", "check_ahead", "scaling_summary"]
@@ -150,6 +151,9 @@ class CarbonScale:
             broadcast on the default process group, on ``device``.
         device: Where that tensor lives.
         clock: Unix time (the series' time line).
+        refresh: Rank 0's new policy when the series file changed, else ``None``
+            (:class:`~torsh_distributed.energy.refresh.SeriesWatch`); ``None``: read once.
+        refresh_s: With ``refresh``: checks come at least this many seconds of steps apart.
     """
 
     def __init__(
@@ -165,8 +169,11 @@ class CarbonScale:
         broadcast: Broadcast | None = None,
         device: Any = None,
         clock: Callable[[], float] = time.time,
+        refresh: Callable[[], ScalePolicy | None] | None = None,
+        refresh_s: float = math.inf,
     ) -> None:
         self.on = policy is not None
+        self.refresh, self.refresh_s = refresh, refresh_s if refresh is not None else math.inf
         self.policy, self.world_size, self.main = policy, world_size, main
         self.start_step, self.max_steps, self.launched_at = start_step, max_steps, launched_at
         self.write, self.clock = write, clock
@@ -201,6 +208,8 @@ class CarbonScale:
 
     def _decide(self, step: int) -> list[float]:
         assert self.policy is not None
+        if self.refresh is not None and (fresh := self.refresh()) is not None:
+            self.policy, self._said = fresh, set()
         now = self.clock()
         step_s = max((now - self._t0) / max(step - self.start_step, 1), 1e-6)
         if self.restart_s is None:  # start-up of this segment: launch to the first step's start
@@ -228,6 +237,7 @@ class CarbonScale:
                 self.kept.append({"step": step, "unix_s": now, "intensity": t.intensity,
                                   "world_size": t.world_size})
         gap = self.max_steps if math.isinf(t.holds_s) else max(1, int(t.holds_s / (2 * step_s)))
+        gap = cap_gap(gap, every_s=self.refresh_s, step_s=step_s)
         return [0.0, float(min(step + gap, self.max_steps)), value, float(self.world_size), now]
 
     def summary(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from torsh_distributed.energy.carbon import IntensitySeries
+from torsh_distributed.energy.refresh import cap_gap
 
 __all__ = ["Broadcast", "Decision", "ShiftPolicy", "TimeShift", "clock_text", "default_broadcast", "parse_deadline"]
 
@@ -198,6 +199,9 @@ class TimeShift:
         device: Where that tensor lives (the rank's CUDA device under NCCL).
         clock: Unix time (the series' time line).
         sleep: Waits that many seconds (tests pass a fake that moves their clock).
+        refresh: Rank 0's new policy when the series file changed, else ``None``
+            (:class:`~torsh_distributed.energy.refresh.SeriesWatch`); ``None``: read once.
+        refresh_s: With ``refresh``: checks come at least this many seconds of steps apart.
 
     Raises:
         ValueError: on every rank, when rank 0 finds the series ended or the deadline past.
@@ -215,8 +219,11 @@ class TimeShift:
         device: Any = None,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        refresh: Callable[[], ShiftPolicy | None] | None = None,
+        refresh_s: float = math.inf,
     ) -> None:
         self.on = policy_of is not None
+        self.refresh, self.refresh_s = refresh, refresh_s if refresh is not None else math.inf
         self.main, self.max_steps = main, max_steps
         self.write, self.clock, self.sleep = write, clock, sleep
         self._broadcast = broadcast or default_broadcast(device)
@@ -226,10 +233,12 @@ class TimeShift:
         self.max_intensity = 0.0
         self.deadline: float | None = None
         self.ended: float | None = None
+        self.started = 0.0
+        """Unix time this driver started (its policy's start: a duration deadline counts from it)."""
         if policy_of is None:
             return
         self._start_step = self._next_check = start_step + 1  # the first step gives the step time
-        self._t0 = clock()
+        self._t0 = self.started = clock()
         self._paused = 0.0
         self._said_through: set[int] = set()
         self._said_end = False
@@ -311,6 +320,8 @@ class TimeShift:
         self.pauses.append({"step": step, "start": began, "seconds": seconds, "intensity": intensity})
 
     def _decide(self, step: int) -> list[float]:
+        if self.refresh is not None and (fresh := self.refresh()) is not None:
+            self.policy, self._said_through, self._said_end = fresh, set(), False
         now = self.clock()
         done = step - self._start_step + 1
         step_s = max((now - self._t0 - self._paused) / done, 1e-6)
@@ -339,6 +350,7 @@ class TimeShift:
                 self.write(f"carbon: the series ends at {clock_text(self.policy.series.ends[-1])}: "
                            "no intensity data after it, so no more pauses")
         gap = self.max_steps if math.isinf(d.recheck_s) else max(1, int(d.recheck_s / (2 * step_s)))
+        gap = cap_gap(gap, every_s=self.refresh_s, step_s=step_s)
         return [float(_CODES[action]), 0.0, float(min(step + gap, self.max_steps)),
                 float(d.intensity if d.intensity is not None else math.nan), now]
 

@@ -12,14 +12,23 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from torsh_distributed.elastic.resize import Segment, append_record, current_segment, read_records
+from torsh_distributed.energy.config import CarbonConfig
+from torsh_distributed.energy.refresh import SeriesWatch
 from torsh_distributed.energy.scale import CarbonScale, scaling_summary
 from torsh_distributed.energy.shift import TimeShift
 from torsh_distributed.engine.config import EngineConfig
 
 __all__ = ["CarbonControl"]
+
+P = TypeVar("P")
+
+
+def _watch(carbon: CarbonConfig, build: Callable[[], P], write: Callable[[str], None]) -> SeriesWatch[P] | None:
+    """Rank 0's watch of the series file (``None`` with ``--carbon.refresh 0``)."""
+    return SeriesWatch(carbon.series, build, write) if carbon.refresh > 0 and carbon.series else None
 
 
 class CarbonControl:
@@ -52,6 +61,10 @@ class CarbonControl:
         self.shift = TimeShift(
             (lambda start: carbon.shift_policy(start=start)) if carbon.max_intensity else None,
             main=main, start_step=start_step, max_steps=cfg.max_steps, write=write, device=device,
+            # the same start as the first policy: a duration deadline counts from it
+            refresh=_watch(carbon, lambda: carbon.shift_policy(start=self.shift.started), write)
+            if main and carbon.max_intensity else None,
+            refresh_s=carbon.refresh,
         )
         self.segment: Segment | None = current_segment() if carbon.scale else None
         if carbon.scale and self.segment is None and main:
@@ -66,6 +79,9 @@ class CarbonControl:
             carbon.scale_policy(seg.sizes) if seg is not None else None,
             world_size=world_size, main=main, start_step=start_step, max_steps=cfg.max_steps,
             launched_at=seg.launched_unix_s if seg is not None else None, write=write, device=device,
+            refresh=_watch(carbon, lambda: carbon.scale_policy(seg.sizes), write)
+            if main and seg is not None else None,
+            refresh_s=carbon.refresh,
         )
         self.main, self.start_step, self._save, self._reading = main, start_step, save, reading
 

@@ -48,29 +48,21 @@ demo: install-core
 	$(VENV)/bin/torsh-dist generate --checkpoint runs/demo --prompt 'def main():\n    ' \
 		--max-new-tokens 112 --temperature 0.9 --top-k 20 --seed 0
 
-# --junitxml: every test's duration (runs/pytest-junit*.xml, ignored by git) for finding where the
+# --junitxml: every test's duration (runs/pytest-junit.xml, ignored by git) for finding where the
 # suite's time goes; --durations prints the slowest. The suite runs on TEST_WORKERS pytest-xdist
 # workers, a whole test file per worker at a time (--dist loadfile: module fixtures stay shared),
 # the longest files first (--no-loadscope-reorder keeps tests/conftest.py's order, from
-# tests/durations.json: refresh it with scripts/test_durations.py);
-# then the few tests marked `serial` (timed against the wall clock in 1-2 s slots) run alone.
+# tests/durations.json: refresh it with scripts/test_durations.py). No test races the wall clock
+# (docs/testing.md), so none has to run alone.
 # One test runs in place: `.venv/bin/python -m pytest tests/unit/test_pip_install.py`.
 TEST_WORKERS ?= 2
 # compileall: this package's modules as bytecode once, so that a host with PYTHONDONTWRITEBYTECODE
 # set (this VM's shell) does not compile them from source again in every process the suite starts
 # (~0.15 CPU s per trainer process measured; the installed packages have theirs from pip).
-# The files holding `serial` tests: the serial part collects only these (the whole suite's
-# collection, every test module imported, took ~15 s of it), or every file if none is found.
-SERIAL_FILES = $(or $(shell grep -rlE --include='*.py' 'pytest\.mark\.serial' tests),tests)
-
 test: system-deps install
 	$(PY) -m compileall -q src > /dev/null
-	status=0; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=30 \
-		--junitxml=runs/pytest-junit.xml tests || status=$$?; \
-	$(PY) -m pytest -q -m serial --durations=5 --junitxml=runs/pytest-junit-serial.xml $(SERIAL_FILES) \
-		|| status=$$((status ? status : $$?)); \
-	exit $$status
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 \
+		--junitxml=runs/pytest-junit.xml tests
 
 # The GPU check (docs/gpu.md): run on a machine with CUDA and PyTorch (the accelerator machine's
 # image: no network there, so the wheels it lacks travel in .whl/, fetched here by gpu-wheels).

@@ -5,7 +5,7 @@
 (tests/conftest.py): the files a worker starts last are short, so both workers finish close
 together. Refresh it after a clean-clone `make test` when files were added or changed much:
 
-    python3 scripts/test_durations.py runs/pytest-junit.xml runs/pytest-junit-serial.xml
+    python3 scripts/test_durations.py runs/pytest-junit.xml
 
 A file missing from the table is placed at the median duration; nothing fails on a stale entry
 but tests/unit/test_test_durations.py, which names it.

@@ -6,8 +6,10 @@ at the loss of an uninterrupted run of the same config within the elastic tests'
 
 The change is made when the job says it trained its first step, so no slot has to be placed
 against a start-up time guessed in advance: nothing here races the wall clock, and the test runs
-beside the rest of the suite. The uninterrupted run is the same command on a series that stays
-dirty (one segment at 1 worker, never scaled).
+beside the rest of the suite. Rank 0 of the scaled run is paced (``TORSH_FAULT=slow``, 10 ms a
+step) so that the first segment cannot end before the job looks at the new series (every 0.5 s of
+steps). The uninterrupted run is the same command on a series that stays dirty (one segment at 1
+worker, never scaled).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from pathlib import Path
 
 import pytest
 
-STEPS = 900
+STEPS = 300
 QUICK = ["--preset", "tiny", "--data.max-bytes", "200000", "--max-steps", str(STEPS), "--batch-size", "8",
          "--eval-batches", "1", "--progress", "false", "--threads", "1"]
 CLEAN, DIRTY = 100, 400
 REFRESH_S = 0.5  # --carbon.refresh: the job looks at the series file at least this often
+PACE_MS = 10  # rank 0 of the scaled run is paced (TORSH_FAULT=slow): it cannot end before it looks
 FIRST_STEP = "memory per rank after step 1"  # rank 0's line once the first step ran
 CODE = "import sys\nfrom torsh_distributed.cli.main import main\nsys.exit(main(sys.argv[1:]))"
 CLI = [sys.executable, "-c", CODE, "train"]
@@ -52,7 +55,8 @@ def _write_series(path: Path, start: float, values: list[int]) -> None:
 def _train_changing(args: list[str], change: Callable[[], float]) -> tuple[str, float]:
     """Runs the command; calls ``change`` (which returns when it changed the series) when the
     job reports its first step. The output and that time."""
-    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TORSH_FAULT": f"slow:rank=0:ms={PACE_MS}"})
     lines, changed_at = [], math.nan
     assert proc.stdout is not None
     for line in proc.stdout:

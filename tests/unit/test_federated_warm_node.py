@@ -5,6 +5,7 @@ start method, and ``flwr-clientapp``'s and ``flwr-serverapp``'s command lines eq
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ from torsh_distributed.federated.deploy import Federation, supernode_command
 def test_supernode_command_by_start_method() -> None:
     warm = supernode_command("127.0.0.1:9092", partition_id=1, num_partitions=2, port=9100)
     assert warm[1:6] == ["-m", "torsh_distributed.federated._warm_node", "--runtime-api-address", "127.0.0.1:9100", "--"]
-    assert warm[7:9] == ["--isolation", "process"]
+    # Flower's SuperNode through _flower_polls (its idle poll shortened)
+    assert warm[6:9] == [sys.executable, "-m", "torsh_distributed.federated._flower_polls"]
+    assert warm[9].endswith("flower-supernode") and warm[10:12] == ["--isolation", "process"]
     assert warm[-2:] == ["--node-config", "partition-id=1 num-partitions=2"]  # regions rewrite the last
     cold = supernode_command("127.0.0.1:9092", partition_id=1, num_partitions=2, port=9100, start_method="spawn")
-    assert cold[0].endswith("flower-supernode") and "--isolation" not in cold and cold == warm[6:7] + warm[9:]
+    assert "--isolation" not in cold and cold == warm[6:10] + warm[12:]
     with pytest.raises(ValueError, match="start_method must be one of forkserver, spawn, got 'fork'"):
         supernode_command("127.0.0.1:9092", partition_id=0, num_partitions=1, port=9100, start_method="fork")
     with pytest.raises(ValueError, match="start_method must be one of forkserver, spawn, got 'thread'"):

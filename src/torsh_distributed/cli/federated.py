@@ -178,6 +178,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      help="how each SuperNode starts its ClientApps, one process per Flower message: forked "
                      "from one process the local SuperNodes share, that imported torch and Flower once "
                      "(forkserver, the default), or a fresh interpreter each (spawn: Flower's own SuperExec)")
+    _add_poll_flag(out)
     _add_token_flags(out)
     from torsh_distributed.cli._config_file import add_config_file_arguments
 
@@ -198,9 +199,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      help="how each SuperNode starts its ClientApps, one process per Flower message: forked "
                      "from a process per node that imported torch and Flower once (forkserver, the default), "
                      "or a fresh interpreter each (spawn: Flower's own SuperExec)")
+    _add_poll_flag(node)
     _add_token_flags(node, node=True)
     add_config_file_arguments(node)
     node.set_defaults(handler=node_main)
+
+
+def _add_poll_flag(parser: argparse.ArgumentParser) -> None:
+    from torsh_distributed.federated._flower_polls import DEFAULT_POLL_S
+
+    parser.add_argument("--poll", type=float, default=DEFAULT_POLL_S, metavar="S",
+                        help="seconds between the polls of an idle Flower SuperNode (for a message), "
+                        "ServerApp (for a round's replies) and SuperExec (for a process to start); Flower "
+                        f"sleeps 3 s there, most of a short round (default {DEFAULT_POLL_S:g}; 3 = Flower's own)")
 
 
 def _add_token_flags(group: Any, *, node: bool = False) -> None:
@@ -334,6 +345,7 @@ def main(args: argparse.Namespace) -> int:
     federation = Federation(  # checks the host and the token before any file is written
         config, host=args.superlink_host, port=args.superlink_port, local_nodes=not args.remote_nodes,
         token=_token(args), tls=tls, insecure=args.insecure or quick, start_method=args.start_method,
+        poll_s=args.poll,
     )  # fmt: skip
     if quick:  # TLS by default off loopback: this federation's own CA, made after those checks
         federation.tls, federation.insecure = _quick_start_tls(config, args.superlink_host), False
@@ -376,5 +388,5 @@ def node_main(args: argparse.Namespace) -> int:
     return join(
         args.superlink, partition_id=args.partition_id, num_partitions=args.num_partitions,
         token=_token(args), host=args.host, port=args.port, tls=_tls(args), insecure=args.insecure,
-        start_method=args.start_method,
+        start_method=args.start_method, poll_s=args.poll,
     )  # fmt: skip

@@ -58,6 +58,12 @@ from pathlib import Path
 from typing import Any
 
 from torsh_distributed.elastic import _warm
+from torsh_distributed.federated._flower_polls import (
+    FLOWER_IDLE_S,
+    SERVERAPP_SITE,
+    poll_from_env,
+    shorten_idle_polls,
+)
 
 __all__ = ["PRELOAD", "ForkserverExecutor", "NodeOutput", "main", "serve_clientapps"]
 
@@ -137,8 +143,12 @@ def run_app(argv: list[str], quiet: bool, output: NodeOutput | None = None) -> N
         os.dup2(devnull, 2)
     _warm.line_buffered_output()
     sys.argv = list(argv)  # argparse and Flower's exit telemetry read it
-    module, _, function = _WARM_TASKS[Path(argv[0]).name].partition(":")
+    command = Path(argv[0]).name
+    module, _, function = _WARM_TASKS[command].partition(":")
     main = getattr(importlib.import_module(module), function)
+    poll_s = poll_from_env()
+    if command == _SERVERAPP and poll_s is not None and poll_s != FLOWER_IDLE_S:
+        shorten_idle_polls(poll_s, (SERVERAPP_SITE,))  # its wait for a round's replies
     with _warm.exit_handlers_at_end():  # a user's app's final flush
         main()
 

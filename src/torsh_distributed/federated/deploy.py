@@ -28,6 +28,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from torsh_distributed.elastic._warm import check_start_method
+from torsh_distributed.federated._flower_polls import (
+    DEFAULT_POLL_S,
+    POLL_ENV,
+    SUPEREXEC_POLL_ENV,
+    check_poll,
+)
 from torsh_distributed.federated._relay import Relay
 from torsh_distributed.federated.config import FederatedConfig
 from torsh_distributed.runtime._net import free_port
@@ -74,8 +80,11 @@ def _bin(name: str) -> str:
     return str(path) if path.exists() else name
 
 
-def _env(home: Path | None = None) -> dict[str, str]:
+def _env(home: Path | None = None, *, poll_s: float = DEFAULT_POLL_S) -> dict[str, str]:
     env = dict(os.environ)
+    # how long Flower's idle SuperNodes, ServerApps and SuperExecs sleep between polls (_flower_polls)
+    env[POLL_ENV] = repr(float(poll_s))
+    env.setdefault(SUPEREXEC_POLL_ENV, repr(float(poll_s)))
     if home is not None:  # Flower's apps, runtime envs and CLI config stay in the run directory
         env["FLWR_HOME"] = str(home)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -89,7 +98,10 @@ def supernode_command(
     superlink: str, *, partition_id: int, num_partitions: int, host: str = "127.0.0.1", port: int,
     start_method: str = "forkserver", clientapp_server: str | None = None,
 ) -> list[str]:
-    """The command line of client ``partition_id``'s SuperNode (``--node-config`` comes last).
+    """The command line of client ``partition_id``'s SuperNode (``--node-config`` comes last):
+    Flower's ``flower-supernode``, started through
+    :mod:`~torsh_distributed.federated._flower_polls` so that it idle-polls every
+    ``TORSH_FLOWER_POLL_S`` s of its environment (:func:`_env`) instead of Flower's 3 s.
 
     Args:
         start_method: How its ClientApps start, one process per Flower message either way.
@@ -105,6 +117,7 @@ def supernode_command(
     """
     check_start_method(start_method)
     node = [
+        sys.executable, "-m", "torsh_distributed.federated._flower_polls",  # Flower's, polling faster
         _bin("flower-supernode"), "--insecure", "--superlink", superlink,
         "--host", host, "--port", str(port),
         "--node-config", f"partition-id={partition_id} num-partitions={num_partitions}",
@@ -112,7 +125,7 @@ def supernode_command(
     if start_method == "spawn":
         return node
     runtime = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    node[1:1] = ["--isolation", "process"]  # this node's SuperExec is _warm_node
+    node[4:4] = ["--isolation", "process"]  # this node's SuperExec is _warm_node
     shared = ["--clientapp-server", clientapp_server] if clientapp_server else []
     return [sys.executable, "-m", "torsh_distributed.federated._warm_node", "--runtime-api-address", runtime,
             *shared, "--", *node]  # fmt: skip
@@ -156,18 +169,22 @@ def _is_loopback(host: str) -> bool:
 def join(
     superlink: str, *, partition_id: int, num_partitions: int, token: str = "", host: str = "127.0.0.1",
     port: int = 0, tls: TLSFiles | None = None, insecure: bool = False, start_method: str = "forkserver",
+    poll_s: float = DEFAULT_POLL_S,
 ) -> int:
     """Run client ``partition_id``'s SuperNode until it exits; returns its exit code.
 
     With a ``token`` (required when ``superlink`` is not on loopback) a client relay on this
     host's loopback proves the token to the head's relay and carries the SuperNode's traffic;
     over TLS (``tls``: the federation's CA, this node's certificate and key) unless ``insecure``.
-    ``start_method``: how its ClientApps start (:func:`supernode_command`).
+    ``start_method``: how its ClientApps start (:func:`supernode_command`). ``poll_s``: how
+    often the idle SuperNode asks for a message (and its SuperExec for a ClientApp to start),
+    in (0, 3] s; 3 is Flower's own (:mod:`~torsh_distributed.federated._flower_polls`).
 
     Raises:
         ValueError: a malformed address, a remote head without a token, or without TLS and
-            ``insecure``, a bad partition id.
+            ``insecure``, a bad partition id, a ``poll_s`` outside (0, 3].
     """
+    check_poll(poll_s, name="poll_s (--poll)")
     head, sep, head_port = superlink.rpartition(":")
     if not sep or not head or not head_port.isdigit():
         raise ValueError(f"--superlink must be HOST:PORT, got {superlink!r}")
@@ -191,7 +208,7 @@ def join(
         superlink, partition_id=partition_id, num_partitions=num_partitions, host=host,
         port=port or free_port(host), start_method=start_method,
     )  # fmt: skip
-    proc = subprocess.Popen(cmd, env=_env(), preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, env=_env(poll_s=poll_s), preexec_fn=_die_with_parent)
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -238,6 +255,10 @@ class Federation:
             message either way): ``forkserver`` (forked from one process, shared by all local
             nodes, that imported torch and Flower once) or ``spawn`` (Flower's own: a fresh
             interpreter per message); see :func:`supernode_command`.
+        poll_s: How often Flower's idle SuperNodes ask for a message, its ServerApp for the
+            replies and its SuperExecs for a process to start, in (0, 3] s (3: Flower's own
+            sleeps, most of a short round; :mod:`~torsh_distributed.federated._flower_polls`).
+            Remote nodes poll as their ``torsh-dist federated-node --poll`` says.
     """
 
     config: FederatedConfig
@@ -249,6 +270,7 @@ class Federation:
     tls: TLSFiles | None = None
     insecure: bool = False
     start_method: str = "forkserver"
+    poll_s: float = DEFAULT_POLL_S
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _logs: list[IO[bytes]] = field(default_factory=list)
     _link_port: int = 0
@@ -260,6 +282,7 @@ class Federation:
 
     def __post_init__(self) -> None:
         check_start_method(self.start_method)
+        self.poll_s = check_poll(self.poll_s, name="poll_s (--poll)")
         # the ServerApp and the clients run in other directories: paths must not be relative
         self.config = dataclasses.replace(self.config, run_dir=str(Path(self.config.run_dir).resolve()))
         if not _is_loopback(self.host) and not self.token:
@@ -298,7 +321,7 @@ class Federation:
         log = (log_dir / f"{name}.log").open("ab")
         self._logs.append(log)
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(home or self.run_dir / "flwr" / "home"),
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(home or self.run_dir / "flwr" / "home", poll_s=self.poll_s),
             cwd=self.run_dir, start_new_session=True, preexec_fn=_die_with_parent, pass_fds=pass_fds,
         )  # fmt: skip
         self.procs[name] = proc
@@ -442,7 +465,7 @@ class Federation:
             f'[superlink]\ndefault = "torsh"\n\n[superlink.torsh]\naddress = "{self.address}"\n'
             "insecure = true\n"
         )
-        env = _env(home)
+        env = _env(home, poll_s=self.poll_s)
         cmd = [_bin("flwr"), "run", str(app), "torsh", "--stream"]
         if run_config:
             cmd += ["--run-config", run_config]

@@ -6,6 +6,7 @@ environment and the ServerApp's forked process all carry it (the rounds themselv
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import time
@@ -93,6 +94,9 @@ def test_the_forked_serverapp_gets_the_interval(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(_warm_node._WARM_TASKS, "flwr-serverapp", f"{__name__}:_fake_main")
     monkeypatch.setattr(_warm_node._warm, "line_buffered_output", lambda: None)
     monkeypatch.setattr(_warm_node._warm, "set_title", lambda argv: ran.append(" ".join(argv)))
+    # run_app ends a forked process: it runs the atexit handlers, which here, in the pytest process,
+    # would remove multiprocessing's temporary directory (the harness's forkserver socket with it)
+    monkeypatch.setattr(_warm_node._warm, "exit_handlers_at_end", contextlib.nullcontext)
     monkeypatch.setattr("sys.argv", list(__import__("sys").argv))
     _warm_node.run_app(["flwr-serverapp", "--token", "t"], False)
     assert isinstance(grid.time, polls.PollClock) and grid.time.poll_s == 0.3

@@ -75,6 +75,7 @@ def test_fsdp_units_come_from_no_split_modules(tiny: Path):
 def test_packed_windows_are_consecutive_next_token_pairs(tiny: Path):
     hf = load_hf_model(f"hf:{tiny}")
     spec = f"hf:{tiny.parent / 'data.jsonl'},seq_len=16"
+    too_long = f"hf:{tiny.parent / 'data.jsonl'},seq_len=65"  # not spec.replace: the path may hold "16"
     data = load_packed(spec, hf.tokenizer(), max_positions=64, vocab_size=32)
     assert isinstance(data, PackedTokens) and data.seq_len == 16
     x0, y0 = data[0]
@@ -83,7 +84,7 @@ def test_packed_windows_are_consecutive_next_token_pairs(tiny: Path):
     assert len(data) == (data.tokens.numel() - 1) // 16
     assert (data.tokens == hf.tokenizer().eos_token_id).sum() == 64  # one per document
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 64"):
-        load_packed(spec.replace("16", "65"), hf.tokenizer(), max_positions=64, vocab_size=32)
+        load_packed(too_long, hf.tokenizer(), max_positions=64, vocab_size=32)
     with pytest.raises(ValueError, match="beyond the model's vocab_size 8"):
         load_packed(spec, hf.tokenizer(), max_positions=64, vocab_size=8)
     with pytest.raises(ValueError, match="has no column 'body'"):

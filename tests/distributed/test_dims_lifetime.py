@@ -31,11 +31,17 @@ def _build_twice() -> dict[str, Any]:
     same_pair = second.subgroup([1, 0]) is pair
     reused = _num_groups()
     other = ParallelDims(dp=2, tp=1).build()  # another layout: its own groups
+    groups = _num_groups()
+    import torch.distributed as dist
+
+    # Gloo's connectFullMesh can return on one rank while its peer still connects to the new
+    # groups: a rank returning here at once exited under it ("Connection reset by peer", ci52)
+    dist.barrier()
     return {
         "before": before,
         "built": built,
         "reused": reused,
-        "other": _num_groups(),
+        "other": groups,
         "same": same and same_pair and second.mesh is first.mesh,
         "names": (group_name(second.group("pp")), group_name(pair)),
         "current": current_dims() is other,

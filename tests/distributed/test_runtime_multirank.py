@@ -126,6 +126,26 @@ def test_harness_reports_a_crashed_rank():
     assert time.monotonic() - start < 30, "the harness waited for the surviving rank"
 
 
+def _peer_alive_after_return(pid_dir: str) -> bool:
+    """Rank 0 returns at once; rank 1, a second later, looks whether rank 0 is still running."""
+    Path(pid_dir, f"rank{dist.get_rank()}").write_text(str(os.getpid()))
+    if dist.get_rank() == 0:
+        return True
+    time.sleep(1.0)
+    status = Path(f"/proc/{Path(pid_dir, 'rank0').read_text()}/status")
+    state = status.read_text().split("State:")[1].split()[0] if status.exists() else "gone"
+    return state not in ("Z", "X", "gone")
+
+
+def test_a_finished_rank_waits_for_its_peers_before_it_exits(tmp_path: Path):
+    # a rank exiting while a slower peer still connects to its last group resets that peer's
+    # connection (ci52): the harness holds every finished rank at a barrier until all are done
+    assert run_distributed(_peer_alive_after_return, 2, args=(str(tmp_path),), timeout=60) == [
+        True,
+        True,
+    ]
+
+
 def _hangs_on_rank_one() -> None:
     if dist.get_rank() == 1:
         time.sleep(120)

@@ -47,6 +47,14 @@ def test_shorten_patches_flowers_modules_and_is_idempotent(monkeypatch: pytest.M
     assert all(m.time.poll_s == 0.1 for m in modules)
 
 
+def test_no_interval_or_flowers_own_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = importlib.import_module(polls.SUPERNODE_SITE)
+    monkeypatch.setattr(module, "time", time)
+    assert polls.shorten_idle_polls(None, (polls.SUPERNODE_SITE,)) == []
+    assert polls.shorten_idle_polls(3, (polls.SUPERNODE_SITE,)) == []
+    assert module.time is time
+
+
 def test_a_site_without_the_sleep_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:
     # this module has no `time.sleep(3)` of Flower's: nothing is replaced, and the log says why
     with caplog.at_level("WARNING"):

@@ -106,11 +106,16 @@ class PollClock:
         time.sleep(self.poll_s if seconds == FLOWER_IDLE_S else seconds)
 
 
-def shorten_idle_polls(poll_s: float, sites: tuple[str, ...]) -> list[str]:
+def shorten_idle_polls(poll_s: float | None, sites: tuple[str, ...]) -> list[str]:
     """Make the Flower modules ``sites`` sleep ``poll_s`` where they sleep 3 s idle; returns the
-    sites changed. A site whose source lacks ``time.sleep(3)`` or that does not use the ``time``
-    module is left as it is (logged): that Flower polls as it chose."""
+    sites changed. ``None`` (no interval asked for) or 3 (Flower's own) changes nothing. A site
+    whose source lacks ``time.sleep(3)`` or that does not use the ``time`` module is left as it
+    is (logged): that Flower polls as it chose."""
+    if poll_s is None:
+        return []
     poll_s = check_poll(poll_s)
+    if poll_s == FLOWER_IDLE_S:
+        return []
     changed = []
     for site in sites:
         module: ModuleType = importlib.import_module(site)
@@ -150,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     script = Path(sys.executable).parent / "flower-supernode"
     sys.argv = [str(script) if script.exists() else "flower-supernode", *args[1:]]
     _warm.set_title([sys.executable, *sys.argv])  # `ps` shows the SuperNode as Flower starts it
-    poll_s = poll_from_env()
-    if poll_s is not None and poll_s != FLOWER_IDLE_S:
-        shorten_idle_polls(poll_s, (SUPERNODE_SITE,))
+    shorten_idle_polls(poll_from_env(), (SUPERNODE_SITE,))
     from flwr.supernode.cli import flower_supernode
 
     flower_supernode()

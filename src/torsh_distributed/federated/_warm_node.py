@@ -59,7 +59,6 @@ from typing import Any
 
 from torsh_distributed.elastic import _warm
 from torsh_distributed.federated._flower_polls import (
-    FLOWER_IDLE_S,
     SERVERAPP_SITE,
     poll_from_env,
     shorten_idle_polls,
@@ -84,8 +83,10 @@ ServerApps, else per SuperNode), for every ClientApp and ServerApp process forke
 
 _CLIENTAPP = "flwr-clientapp"
 _SERVERAPP = "flwr-serverapp"
-_WARM_TASKS = {_CLIENTAPP: "flwr.supernode.cli.flwr_clientapp:flwr_clientapp",
-               _SERVERAPP: "flwr.superlink.cli.flwr_serverapp:flwr_serverapp"}
+_WARM_TASKS = {
+    _CLIENTAPP: "flwr.supernode.cli.flwr_clientapp:flwr_clientapp",
+    _SERVERAPP: "flwr.superlink.cli.flwr_serverapp:flwr_serverapp",
+}
 """The apps forked warm: Flower's command -> its main (``module:function``)."""
 _log = logging.getLogger(__name__)
 
@@ -146,9 +147,8 @@ def run_app(argv: list[str], quiet: bool, output: NodeOutput | None = None) -> N
     command = Path(argv[0]).name
     module, _, function = _WARM_TASKS[command].partition(":")
     main = getattr(importlib.import_module(module), function)
-    poll_s = poll_from_env()
-    if command == _SERVERAPP and poll_s is not None and poll_s != FLOWER_IDLE_S:
-        shorten_idle_polls(poll_s, (SERVERAPP_SITE,))  # its wait for a round's replies
+    if command == _SERVERAPP:
+        shorten_idle_polls(poll_from_env(), (SERVERAPP_SITE,))  # its wait for a round's replies
     with _warm.exit_handlers_at_end():  # a user's app's final flush
         main()
 
@@ -175,7 +175,11 @@ class ForkserverExecutor:
         self._grace_s = grace_s
 
     def get_eligible_capacity(
-        self, supported_task_types: set[Any], *, insecure: bool = False, root_certificates_path: str | None = None
+        self,
+        supported_task_types: set[Any],
+        *,
+        insecure: bool = False,
+        root_certificates_path: str | None = None,
     ) -> tuple[set[Any], set[str]]:
         del insecure, root_certificates_path
         return set(supported_task_types), set()
@@ -246,10 +250,15 @@ def _wait_listening(address: str, exited: Callable[[], int | None], *, timeout: 
     while time.monotonic() < deadline:
         if (code := exited()) is not None:
             raise SystemExit(code)
-        with contextlib.suppress(OSError), socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection((host.strip("[]"), int(port)), timeout=0.5),
+        ):
             return
         time.sleep(0.1)
-    raise TimeoutError(f"flower-supernode's Runtime API did not listen on {address} within {timeout:.0f} s")
+    raise TimeoutError(
+        f"flower-supernode's Runtime API did not listen on {address} within {timeout:.0f} s"
+    )
 
 
 def _run_superexec(address: str, *, parent_pid: int) -> None:
@@ -314,20 +323,33 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m torsh_distributed.federated._warm_node")
     parser.add_argument("--runtime-api-address", help="the SuperNode's --host:--port")
-    parser.add_argument("--clientapp-server", metavar="ADDRESS",
-                        help="fork ClientApps from this shared forkserver (Federation's)")
-    parser.add_argument("--serve-clientapps", type=int, metavar="FD",
-                        help="be the shared forkserver, listening on the socket FD")
-    parser.add_argument("--superlink-pid", type=int, metavar="PID",
-                        help="no SuperNode: be the SuperExec of this SuperLink's ServerApps "
-                             "(--runtime-api-address: its --serverappio-api-address)")
+    parser.add_argument(
+        "--clientapp-server",
+        metavar="ADDRESS",
+        help="fork ClientApps from this shared forkserver (Federation's)",
+    )
+    parser.add_argument(
+        "--serve-clientapps",
+        type=int,
+        metavar="FD",
+        help="be the shared forkserver, listening on the socket FD",
+    )
+    parser.add_argument(
+        "--superlink-pid",
+        type=int,
+        metavar="PID",
+        help="no SuperNode: be the SuperExec of this SuperLink's ServerApps "
+        "(--runtime-api-address: its --serverappio-api-address)",
+    )
     parser.add_argument("supernode", nargs=argparse.REMAINDER, help="-- flower-supernode ARGS...")
     args = parser.parse_args(argv)
     if args.serve_clientapps is not None:
         serve_clientapps(args.serve_clientapps)
     command = args.supernode[1:] if args.supernode[:1] == ["--"] else args.supernode
     if not args.runtime_api_address or (not command and args.superlink_pid is None):
-        parser.error("give --runtime-api-address and the flower-supernode command after -- (or --superlink-pid)")
+        parser.error(
+            "give --runtime-api-address and the flower-supernode command after -- (or --superlink-pid)"
+        )
     if args.clientapp_server:
         _adopt_server(args.clientapp_server)
     else:
@@ -336,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.superlink_pid is not None:
         link = args.superlink_pid
         with contextlib.suppress(SystemExit, KeyboardInterrupt):  # the SuperLink ended, or Ctrl-C
-            _wait_listening(args.runtime_api_address, lambda: None if _pid_alive(link) else 1, timeout=timeout)
+            _wait_listening(
+                args.runtime_api_address, lambda: None if _pid_alive(link) else 1, timeout=timeout
+            )
             _run_superexec(args.runtime_api_address, parent_pid=link)
         return 0
     node = subprocess.Popen(command, preexec_fn=_die_with_parent)

@@ -167,6 +167,7 @@ def _worker(task: _Task, results: Any) -> None:
                 f"({type(exc).__name__}: {exc}); return tensors, numbers, strings or containers of them"
             ) from exc
         results.put(("ok", task.rank, payload))
+        _meet_before_exit()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", task.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
@@ -177,6 +178,23 @@ def _worker(task: _Task, results: Any) -> None:
             world.shutdown()
         except Exception:  # noqa: BLE001 - a broken group must not mask the real result
             pass
+
+
+def _meet_before_exit() -> None:
+    """Hold a rank that finished until its peers finished too, before it closes its connections.
+
+    A function whose last act creates a group (or any collective whose Gloo mesh is still being
+    connected) returns on one rank while a slower peer is still connecting to it; if the fast rank
+    exits then, the peer fails with "Connection reset by peer". The result is already reported:
+    a peer that failed instead leaves this rank waiting until the parent stops it.
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - the result is reported; a broken group must not mask it
+        pass
 
 
 def _context() -> mp.context.BaseContext:
@@ -232,7 +250,9 @@ def run_distributed(
     try:
         call = pickle.dumps((tuple(args), dict(kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        raise TypeError(f"the arguments of {qualname} cannot be pickled for the ranks: {exc}") from exc
+        raise TypeError(
+            f"the arguments of {qualname} cannot be pickled for the ranks: {exc}"
+        ) from exc
     stack_dir = Path(tempfile.mkdtemp(prefix="torsh-harness-"))
     # Stacks are dumped a little before the deadline so the parent can read them.
     stack_after = max(timeout - min(5.0, timeout * 0.2), 0.5)
@@ -353,12 +373,17 @@ def _note_crashes(
             errors[r] = (f"process exited with code {procs[r].exitcode} before reporting", "")
 
 
-def _store(msg: tuple[Any, ...], values: dict[int, Any], errors: dict[int, tuple[str, str]]) -> None:
+def _store(
+    msg: tuple[Any, ...], values: dict[int, Any], errors: dict[int, tuple[str, str]]
+) -> None:
     if msg[0] == "ok":
         try:
             values[msg[1]] = pickle.loads(msg[2])
         except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
-            errors[msg[1]] = (f"its result could not be unpickled here: {type(exc).__name__}: {exc}", "")
+            errors[msg[1]] = (
+                f"its result could not be unpickled here: {type(exc).__name__}: {exc}",
+                "",
+            )
     else:
         errors[msg[1]] = (msg[2], msg[3])
 

@@ -17,8 +17,14 @@ import pytest
 from torsh_distributed.cli.main import main
 from torsh_distributed.comm.cost_model import CostModel, LinkCost
 from torsh_distributed.plan._sim_layer import layer_flops
-from torsh_distributed.plan._sim_published import CALIBRATION, RUNS, predict, validate
-from torsh_distributed.plan._sim_schedule import order, play
+from torsh_distributed.plan._sim_published import (
+    CALIBRATION,
+    H100_80GB,
+    RUNS,
+    predict,
+    validate,
+)
+from torsh_distributed.plan._sim_schedule import held_layers, order, play
 from torsh_distributed.plan.memory import model_state_bytes
 from torsh_distributed.plan.simulate import (
     SimLayout,
@@ -167,6 +173,36 @@ def test_interleaving_holds_megatrons_extra_micro_batches_in_flight() -> None:
     ratio = chunks.memory["activations"] / plain.memory["activations"]
     assert ratio == pytest.approx(1 + (p - 1) / (p * v))
     assert chunks.breakdown["bubble_and_wait"] < plain.breakdown["bubble_and_wait"]
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(4, 8, 2), (8, 96, 10), (16, 32, 8), (16, 16, 8)])
+def test_held_layers_with_equal_chunks_is_megatrons_warm_up_count(p: int, m: int, v: int) -> None:
+    # one layer per chunk: rank 0 holds its 2 (p - 1) + (v - 1) p warm-up passes plus one
+    orders = order("interleaved", p=p, m=m, v=v)
+    assert held_layers(orders, [1] * (p * v)) == min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+    assert held_layers(orders, [3] * (p * v)) == 3 * held_layers(orders, [1] * (p * v))
+    assert held_layers(order("1f1b", p=p, m=m), [1] * p) == min(p, m)  # PipeDream-Flush
+
+
+def test_held_layers_counts_what_each_chunk_holds() -> None:
+    # Llama 3's 126 layers on 16 x 8 chunks: rank 0's first chunk is only the embedding, so its
+    # 31 embedding passes in flight hold no layer and rank 1 (141 of 1 layer) is the busiest
+    orders = order("interleaved", p=16, m=32, v=8)
+    counts = split_layers(126, 128)
+    assert held_layers(orders[:1], counts[::16]) == 143 - 31
+    assert held_layers(orders, counts) == 141
+    cfg = _cfg(layers=126, devices=16, nodes=2, global_batch=32, hidden=1024, heads=16)
+    lay = SimLayout(tp=1, pp=16, micro_batch=1, interleave=8, schedule="interleaved")
+    plain = simulate(cfg, SimLayout(tp=1, pp=16, micro_batch=1))  # 1F1B: 16 of 8 layers (ceil)
+    ratio = simulate(cfg, lay).memory["activations"] / plain.memory["activations"]
+    assert ratio == pytest.approx(141 / (16 * 8))
+
+
+def test_llama_3_layouts_fit_the_h100s_they_ran_on_by_our_memory_model() -> None:
+    # both ran (Meta, Table 4) on H100 80GB: 81559 MiB each, not 80e9 bytes
+    for run in (r for r in RUNS if r.name.startswith("Llama 3")):
+        assert run.device_memory == H100_80GB == 81559 * 2**20
+        assert predict(run).memory["total"] <= run.device_memory, run.name
 
 
 def test_an_oversubscribed_fat_tree_slows_cross_node_groups_only() -> None:

@@ -327,7 +327,11 @@ def add_model_and_cluster(
     c.add_argument("--devices", type=int, required=True, help="accelerators in the job")
     c.add_argument("--nodes", type=int, default=1, help="nodes (devices spread evenly)")
     c.add_argument(
-        "--device-memory", type=parse_size, required=True, help="memory per device (80GB)"
+        "--device-memory",
+        type=parse_size,
+        required=True,
+        help="memory per device: 80GB is 80e9 bytes, 80GiB 80 x 2^30 (an 'A100 80GB' has "
+        "80GiB, 81920 MiB in nvidia-smi; an 'H100 80GB' 81559 MiB)",
     )
     c.add_argument(
         "--intra-bw",

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from torsh_distributed.plan.simulate import SimLayout, SimResult
 
 __all__ = [
+    "A100_80GB",
     "CALIBRATION",
+    "H100_80GB",
     "RUNS",
     "ZERO3_CHECKS",
     "PublishedRun",
@@ -51,6 +53,16 @@ _MEGATRON_ASSUMED = (
 )
 
 
+_MIB = 2**20
+A100_80GB = 81920 * _MIB
+"""An A100 80GB's memory as ``nvidia-smi`` reports it (81920 MiB = 85.9e9 bytes): NVIDIA's
+"80GB" is 80 GiB of HBM2e (modal-labs/modal-client#2797 lists nvidia-smi totals per part)."""
+H100_80GB = 81559 * _MIB
+"""An H100 SXM 80GB's memory as ``nvidia-smi`` reports it (81559 MiB = 85.5e9 bytes;
+modal-labs/modal-client#2797, NVIDIA/nccl#1264's nvidia-smi output). The simulator's 1 GB
+``reserve`` stands for the CUDA context and the communication buffers within it."""
+
+
 @dataclass(frozen=True, slots=True)
 class PublishedRun:
     """One published run: inputs, layout and the per-GPU TFLOP/s it reached."""
@@ -70,7 +82,8 @@ class PublishedRun:
     seq_len: int = 2048
     vocab: int = 51200
     device: str = "a100"
-    device_memory: float = 80e9
+    device_memory: float = A100_80GB
+    """Bytes per device: the part's whole memory (it was 80e9 until 2026-11-30: a GB-for-GiB slip)."""
     devices_per_node: int = 8
     intra_bw: float = 300e9
     inter_bw: float = 1600e9 / 8
@@ -295,6 +308,7 @@ RUNS: tuple[PublishedRun, ...] = (
             tp=8,
             pp=16,
             device="h100",
+            device_memory=H100_80GB,
             intra_bw=450e9,
             inter_bw=3200e9 / 8,
             zero_stage=2,

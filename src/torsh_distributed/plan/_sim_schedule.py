@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Pass", "critical_path", "order", "play", "play_deepspeed"]
+__all__ = ["SCHEDULES", "Pass", "critical_path", "held_layers", "order", "play", "play_deepspeed"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "deepspeed")
 
@@ -68,6 +68,21 @@ def order(schedule: str, *, p: int, m: int, v: int = 1) -> list[list[tuple[str, 
     if schedule in ("1f1b", "interleaved"):
         return [_interleaved(r, p, m, v) for r in range(p)]
     raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+
+
+def held_layers(orders: list[list[tuple[str, int, int]]], counts: list[int]) -> int:
+    """The most layer-micro-batches any rank holds for backward at once, walking each rank's
+    order: a forward of chunk ``c`` on rank ``r`` adds the layers of virtual stage ``c p + r``
+    (``counts``), its backward frees them. Chunks without layers (Llama 3's embedding-only first
+    and head-only last chunk) hold none."""
+    p = len(orders)
+    peak = 0
+    for r, ops in enumerate(orders):
+        held = 0
+        for kind, _, chunk in ops:
+            held += counts[chunk * p + r] if kind == "F" else -counts[chunk * p + r]
+            peak = max(peak, held)
+    return peak
 
 
 def _interleaved(r: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:

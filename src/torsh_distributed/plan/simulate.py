@@ -39,7 +39,14 @@ from torsh_distributed.plan._sim_device import DeviceModel, device_model
 from torsh_distributed.plan._sim_layer import layer_cost, layer_flops, logits_cost, logits_flops
 from torsh_distributed.plan._sim_layout import RECOMPUTE, SimLayout
 from torsh_distributed.plan._sim_network import Network
-from torsh_distributed.plan._sim_schedule import Pass, critical_path, order, play, play_deepspeed
+from torsh_distributed.plan._sim_schedule import (
+    Pass,
+    critical_path,
+    held_layers,
+    order,
+    play,
+    play_deepspeed,
+)
 from torsh_distributed.plan.memory import bytes_per_param
 
 if TYPE_CHECKING:
@@ -186,8 +193,10 @@ def _check(cfg: StrategyConfig, lay: SimLayout) -> tuple[int, int]:
 def _memory(cfg: StrategyConfig, lay: SimLayout, dp: int, m: int) -> dict[str, float]:
     """The planner's memory (``_cost``), its activations scaled for what it does not model:
     sequence parallelism (the ``4h`` replicated elements per token sharded), selective
-    recomputation (no attention scores kept) and interleaving (rank 0 holds ``2 (p - 1) + (v -
-    1) p + 1`` chunk-micro-batches of ``L / (p v)`` layers instead of ``p`` stage-micro-batches)."""
+    recomputation (no attention scores kept) and interleaving: the busiest rank holds the layers
+    of up to ``2 (p - 1) + (v - 1) p + 1`` chunk-micro-batches instead of ``p`` stage-micro-batches,
+    counted by walking the schedule with each chunk's own layers (:func:`held_layers`: an empty
+    first or last chunk holds none)."""
     base = Layout(
         dp=dp,
         tp=lay.tp,
@@ -212,8 +221,8 @@ def _memory(cfg: StrategyConfig, lay: SimLayout, dp: int, m: int) -> dict[str, f
         mem["activations"] *= kept / full
     if lay.schedule == "interleaved" and lay.pp > 1:
         p, v = lay.pp, lay.interleave
-        chunks = min(2 * (p - 1) + (v - 1) * p + 1, m * v)
-        mem["activations"] *= chunks / v / min(p, m)
+        held = held_layers(order("interleaved", p=p, m=m, v=v), split_layers(cfg.layers, p * v))
+        mem["activations"] *= held / -(-cfg.layers // p) / min(p, m)  # the planner's stage count
     parts = ("model_states", "transient", "activations", "reserve")
     peak = sum(mem[k] for k in parts)
     if cfg.layout == "fsdp2":

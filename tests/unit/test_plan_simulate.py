@@ -184,6 +184,17 @@ def test_held_layers_with_equal_chunks_is_megatrons_warm_up_count(p: int, m: int
     assert held_layers(order("1f1b", p=p, m=m), [1] * p) == min(p, m)  # PipeDream-Flush
 
 
+@pytest.mark.parametrize(("p", "v", "layers"), [(4, 2, 8), (16, 8, 126), (8, 20, 158), (5, 3, 15)])
+def test_held_layers_are_reached_within_two_groups_of_micro_batches(
+    p: int, v: int, layers: int
+) -> None:
+    # the simulator's memory walks 2 p micro-batches, whatever the step's count
+    counts = split_layers(layers, p * v)
+    two = held_layers(order("interleaved", p=p, m=2 * p, v=v), counts)
+    for m in (3 * p, 8 * p):
+        assert held_layers(order("interleaved", p=p, m=m, v=v), counts) == two
+
+
 def test_held_layers_counts_what_each_chunk_holds() -> None:
     # Llama 3's 126 layers on 16 x 8 chunks: rank 0's first chunk is only the embedding, so its
     # 31 embedding passes in flight hold no layer and rank 1 (141 of 1 layer) is the busiest

@@ -221,7 +221,9 @@ def _memory(cfg: StrategyConfig, lay: SimLayout, dp: int, m: int) -> dict[str, f
         mem["activations"] *= kept / full
     if lay.schedule == "interleaved" and lay.pp > 1:
         p, v = lay.pp, lay.interleave
-        held = held_layers(order("interleaved", p=p, m=m, v=v), split_layers(cfg.layers, p * v))
+        # from the second group of p micro-batches on the held layers repeat: 2 p of them say it
+        walk = order("interleaved", p=p, m=min(m, 2 * p), v=v)
+        held = held_layers(walk, split_layers(cfg.layers, p * v))
         mem["activations"] *= held / -(-cfg.layers // p) / min(p, m)  # the planner's stage count
     parts = ("model_states", "transient", "activations", "reserve")
     peak = sum(mem[k] for k in parts)

@@ -193,7 +193,7 @@ def _meet_before_exit() -> None:
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-    except Exception:  # noqa: BLE001 - the result is reported; a broken group must not mask it
+    except BaseException:  # noqa: BLE001 - the result is reported; nothing may follow it
         pass
 
 
@@ -229,7 +229,9 @@ def run_distributed(
             :class:`DistributedTimeoutError` names the ranks that had not finished, with stacks.
         backend: Backend for ``torsh_distributed.init`` in each rank (``"gloo"`` on CPU).
         env: Extra environment variables for the ranks.
-        init: Start the process group before calling ``fn`` (and destroy it after).
+        init: Start the process group before calling ``fn`` (and destroy it after). A rank
+            whose ``fn`` returned waits at a barrier for its peers before it shuts its group
+            down, so a slow peer still connecting to a group ``fn`` created is not cut off.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (results must be picklable).

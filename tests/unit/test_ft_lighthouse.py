@@ -121,3 +121,30 @@ def test_the_first_quorum_waits_for_every_group_even_one_not_heartbeating_yet(re
             assert [p.replica_id for p in got[rid].participants] == want  # type: ignore[attr-defined]
     finally:
         lighthouse.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_on_request_tells_each_replicas_first_quorum_request_once() -> None:
+    told: list[str] = []
+    lighthouse = Lighthouse(heartbeat_timeout_s=30.0, on_request=told.append)
+    try:
+        client = LighthouseClient(lighthouse.address(), connect_timeout=T)
+        client.heartbeat("g0:a")
+        assert told == []  # a heartbeat is not a request to join
+        for step in (1, 2):  # g0 alone: a quorum each time; told only of the first request
+            got: dict[str, object] = {}
+            _quorum(client, "g0:a", step, got)
+            assert [p.replica_id for p in got["g0:a"].participants] == ["g0:a"]
+        assert told == ["g0:a"]
+        later: dict[str, object] = {}  # a restarted g1: told while it waits (split brain)
+        waiter = threading.Thread(target=_quorum, args=(client, "g1:c", 0, later))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while told != ["g0:a", "g1:c"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert told == ["g0:a", "g1:c"] and waiter.is_alive()
+        _quorum(client, "g0:a", 3, later)  # g0 back: the fast quorum takes g1 in
+        waiter.join(10)
+        assert [p.replica_id for p in later["g1:c"].participants] == ["g0:a", "g1:c"]
+    finally:
+        lighthouse.shutdown()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,9 @@ class Lighthouse:
         heartbeat_timeout_s: A group silent this long leaves the quorum (the fallback for a
             failure the launcher does not see: a hung process).
         tick_s: How often a pending quorum is re-evaluated.
+        on_request: Called with a replica id when its first quorum request arrives (under the
+            service's lock: keep it short); the launcher logs it as the group's ``requested``
+            event.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Lighthouse:
         join_timeout_s: float = 0.2,
         heartbeat_timeout_s: float = 1.0,
         tick_s: float = 0.02,
+        on_request: Callable[[str], None] | None = None,
     ) -> None:
         import grpc
 
@@ -132,6 +137,8 @@ class Lighthouse:
         self._heartbeats: dict[str, float] = {}
         self._participants: dict[str, _Member] = {}
         self._forgotten: set[str] = set()
+        self._requested: set[str] = set()
+        self._on_request = on_request
         self._prev: _Quorum | None = None
         self._issued: list[_Quorum] = []  # the last few, for waiters that woke late
         self._seq = 0
@@ -199,6 +206,10 @@ class Lighthouse:
             now = time.monotonic()
             self._heartbeats[rid] = now  # an implicit heartbeat
             self._participants[rid] = _Member(rid, shrink, raw, now)
+            if rid not in self._requested:
+                self._requested.add(rid)
+                if self._on_request is not None:
+                    self._on_request(rid)
             seen = self._seq
             self._tick()
             while True:

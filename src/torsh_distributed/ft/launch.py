@@ -41,8 +41,9 @@ from torsh_distributed.runtime._net import free_port
 __all__ = ["launch_groups", "main"]
 
 
-def _lighthouse(section: FTConfig) -> Any:
-    """The quorum service ``ft.lighthouse`` names, listening on 127.0.0.1."""
+def _lighthouse(section: FTConfig, on_request: Callable[[str], None]) -> Any:
+    """The quorum service ``ft.lighthouse`` names, listening on 127.0.0.1 (``on_request``: a
+    replica's first quorum request, told by the launcher's own service only)."""
     if section.lighthouse == "torchft":
         from torchft._torchft import LighthouseServer
 
@@ -57,6 +58,7 @@ def _lighthouse(section: FTConfig) -> Any:
         start_replicas=section.replica_groups,  # the first step waits for every group
         join_timeout_s=0.2,
         heartbeat_timeout_s=section.heartbeat_timeout_s,
+        on_request=on_request,
     )
 
 
@@ -66,6 +68,7 @@ _PHASES = (  # (event, what the time up to it went on), in the order a restarted
     ("built", "model and group"),
     ("attached", "torchft manager"),
     ("joining", "first quorum call"),
+    ("requested", "every rank's quorum call"),
     ("healed", "quorum and live state"),
 )
 
@@ -180,10 +183,16 @@ def launch_groups(
     size = nproc // groups_n
     base = dict(os.environ if env is None else env)
     base.setdefault("RUST_LOG", "warn")  # torchft's quorum logs a few lines per step at info
-    lighthouse = _lighthouse(section)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     directory = tempfile.mkdtemp(prefix="torsh-ft-")
     groups = [_Group(g, list(range(g * size, (g + 1) * size))) for g in range(groups_n)]
+
+    def requested(replica_id: str) -> None:  # "g<index>:<uuid>": every rank of it is in quorum
+        group = groups[int(replica_id.split(":")[0][1:])]
+        event = {"event": "requested", "group": group.index, "time": time.time()}
+        append_event(directory, {**event, "incarnation": group.incarnation})
+
+    lighthouse = _lighthouse(section, requested)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     spares: list[subprocess.Popen[bytes]] = []  # ft.spare_group: started, imported, waiting
     attached: set[tuple[int, int]] = set()  # (group, incarnation) whose manager is up

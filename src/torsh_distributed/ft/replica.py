@@ -61,9 +61,10 @@ ENV = (
 )
 """What the replica-group launcher (:mod:`torsh_distributed.ft.launch`) gives every rank."""
 
-_REJOIN_PHASES = ("started", "setup", "built", "attached", "joining", "healed")
+_REJOIN_PHASES = ("started", "setup", "built", "attached", "joining", "requested", "healed")
 """A restarted group's event lines, in order: the launcher spawned it, its rank 0 imported the
-engine, built the model and group, started torchft's Manager, asked to join, healed."""
+engine, built the model and group, started torchft's Manager, asked to join, every rank's
+quorum call reached the launcher's lighthouse (not told by torchft's), healed."""
 
 
 class RunState(Protocol):
@@ -123,7 +124,7 @@ def parse_faults(spec: str) -> list[FTFault]:
     itself SIGKILL once S steps are done, in its group's N-th start, 0 by default) and
     ``hold:rank=R:step=S:group=G[:joins=N]`` (rank R waits before step S until a restarted
     group G has asked to join N times, 1 by default, at most ``ft.timeout_s``: a straggler that
-    lets a restarted group heal at a known step in tests).
+    lets a restarted group heal at a known step in tests; see ``ReplicaGroups._hold``).
 
     Raises:
         ValueError: a malformed fault, naming it.
@@ -316,11 +317,21 @@ class ReplicaGroups:
     def _hold(self, group: int, joins: int) -> None:
         """Wait until a restarted ``group`` has asked to join ``joins`` times (at most
         ``ft.timeout_s``): a straggler on purpose, so that the group heals in this rank's next
-        quorum."""
+        quorum. With the launcher's lighthouse a join counts once the group's quorum request is
+        in the lighthouse (every rank of it called); the group's rank 0 calling is all that
+        torchft's lighthouse lets us see."""
+        if self.section.lighthouse == "launcher":
+            wanted = "requested"
+        else:
+            wanted = "joining"
         deadline = time.monotonic() + self.section.timeout_s
         while time.monotonic() < deadline:
             events = read_events(self.directory)
-            if sum(e["event"] == "joining" and e["group"] == group for e in events) >= joins:
+            joined = sum(
+                e["event"] == wanted and e["group"] == group and e["incarnation"] > 0
+                for e in events
+            )
+            if joined >= joins:
                 return
             time.sleep(0.05)
 
@@ -342,7 +353,11 @@ class ReplicaGroups:
         onehot = torch.zeros(self.num_groups, dtype=torch.float32)
         onehot[self.group] = 1.0
         flat = torch.cat(
-            [*(g.reshape(-1).float() for g in grads), _local(loss.detach()).reshape(1).float(), onehot]
+            [
+                *(g.reshape(-1).float() for g in grads),
+                _local(loss.detach()).reshape(1).float(),
+                onehot,
+            ]
         )
         started = time.perf_counter()
         manager.allreduce(flat).wait()  # sum / participants (zeros from a healing group)

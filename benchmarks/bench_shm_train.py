@@ -17,7 +17,7 @@ the same sums).
 train``: ``gloo+shm`` for several ranks of one host); the summary's ``backend`` says what each run
 resolved to. ``--burners-per-core B`` runs B busy-loop processes per core beside every run (the
 neighbours of a busy host), ``--env KEY=VALUE`` sets a variable for the ranks (repeatable; e.g.
-``TORSH_SHM_ASYNC=0``)::
+``TORSH_SHM_ASYNC=0``), ``--train-arg`` adds a flag to every run (repeatable)::
 
     python benchmarks/bench_shm_train.py --ranks 2 --zero-stages 0 --backends gloo,auto \
         --burners-per-core 1 --rounds 3
@@ -68,6 +68,7 @@ def _run(backend: str, ranks: int, zero: int, args: argparse.Namespace) -> dict:
             "off",
             "--summary-json",
             str(summary),
+            *args.train_arg,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
         env.update(item.split("=", 1) for item in args.env)
@@ -99,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="environment of the ranks (repeatable)",
+    )
+    parser.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument of every `torsh-dist train` run (repeatable; write flags with "
+        "their value as --train-arg=--bucket-cap-mb --train-arg=5)",
     )
     parser.add_argument("--json", default="", help="write the results to this file")
     args = parser.parse_args(argv)
@@ -160,7 +169,8 @@ def _measure(args: argparse.Namespace, backends: tuple[str, str], burners: list)
         )
     print(
         f"parameters: {rows[0]['params']}; {len(burners)} burner process(es); load average "
-        f"before {load_before}, after {load_after}; ranks' env: {args.env or 'default'}"
+        f"before {load_before}, after {load_after}; ranks' env: {args.env or 'default'}; "
+        f"train args: {args.train_arg or 'default'}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "load": [load_before, load_after]}))

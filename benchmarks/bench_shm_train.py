@@ -17,7 +17,8 @@ the same sums).
 train``: ``gloo+shm`` for several ranks of one host); the summary's ``backend`` says what each run
 resolved to. ``--burners-per-core B`` runs B busy-loop processes per core beside every run (the
 neighbours of a busy host), ``--env KEY=VALUE`` sets a variable for the ranks (repeatable; e.g.
-``TORSH_SHM_ASYNC=0``), ``--train-arg`` adds a flag to every run (repeatable)::
+``TORSH_SHM_ASYNC=0``), ``--train-arg`` adds a flag to every run (repeatable), ``--second-arg`` to the second
+backend's runs only::
 
     python benchmarks/bench_shm_train.py --ranks 2 --zero-stages 0 --backends gloo,auto \
         --burners-per-core 1 --rounds 3
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BACKENDS = "gloo,gloo+shm"
 
 
-def _run(backend: str, ranks: int, zero: int, args: argparse.Namespace) -> dict:
+def _run(backend: str, ranks: int, zero: int, args: argparse.Namespace, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
         cmd = [
@@ -69,6 +70,7 @@ def _run(backend: str, ranks: int, zero: int, args: argparse.Namespace) -> dict:
             "--summary-json",
             str(summary),
             *args.train_arg,
+            *extra,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
         env.update(item.split("=", 1) for item in args.env)
@@ -109,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         help="one more argument of every `torsh-dist train` run (repeatable; write flags with "
         "their value as --train-arg=--bucket-cap-mb --train-arg=5)",
     )
+    parser.add_argument(
+        "--second-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="like --train-arg, for the second backend's runs only (its defaults against the "
+        "first backend's: --second-arg=--bucket-cap-mb --second-arg=5)",
+    )
     parser.add_argument("--json", default="", help="write the results to this file")
     args = parser.parse_args(argv)
     backends = tuple(b.strip() for b in args.backends.split(","))
@@ -130,30 +140,31 @@ def main(argv: list[str] | None = None) -> int:
 
 def _measure(args: argparse.Namespace, backends: tuple[str, str], burners: list) -> int:
     load_before = os.getloadavg()
+    # the second backend's column is named with its own flags (``auto,auto`` then compares them)
+    labels = (backends[0], " ".join([backends[1], *args.second_arg]))
     rows = []
     for ranks in (int(x) for x in args.ranks.split(",")):
         for zero in (int(x) for x in args.zero_stages.split(",")):
-            runs: dict[str, list[dict]] = {b: [] for b in backends}
+            runs: dict[str, list[dict]] = {b: [] for b in labels}
             for r in range(args.rounds):
-                for backend in backends if r % 2 == 0 else backends[::-1]:
-                    runs[backend].append(_run(backend, ranks, zero, args))
-            tps = {b: statistics.median(x["tokens_per_s"] for x in runs[b]) for b in backends}
-            losses = {b: {round(x["final_loss"], 5) for x in runs[b]} for b in backends}
+                for i in (0, 1) if r % 2 == 0 else (1, 0):
+                    extra = args.second_arg if i == 1 else []
+                    runs[labels[i]].append(_run(backends[i], ranks, zero, args, extra))
+            tps = {b: statistics.median(x["tokens_per_s"] for x in runs[b]) for b in labels}
+            losses = {b: {round(x["final_loss"], 5) for x in runs[b]} for b in labels}
             rows.append(
                 {
                     "ranks": ranks,
                     "zero_stage": zero,
                     "tokens_per_s": tps,
-                    "all_tokens_per_s": {b: [x["tokens_per_s"] for x in runs[b]] for b in backends},
+                    "all_tokens_per_s": {b: [x["tokens_per_s"] for x in runs[b]] for b in labels},
                     "final_losses": {b: sorted(v) for b, v in losses.items()},
-                    "resolved": {
-                        b: sorted({x.get("backend", b) for x in runs[b]}) for b in backends
-                    },
-                    "params": runs[backends[0]][0]["num_params"],
+                    "resolved": {b: sorted({x.get("backend", b) for x in runs[b]}) for b in labels},
+                    "params": runs[labels[0]][0]["num_params"],
                 }
             )
     load_after = os.getloadavg()
-    a, b = backends
+    a, b = labels
     print(
         f"| ranks | ZeRO stage | {a} tokens/s (runs) | {b} tokens/s (runs) | {b} / {a} | final loss "
         f"({a} / {b}) | resolved |\n|---:|---:|---:|---:|---:|---|---|"

@@ -269,4 +269,58 @@ def test_a_short_collective_timeout_does_not_shorten_the_start() -> None:
     # timeout_s=30 fails fast on a hung peer; starting workers on a busy host still gets 300 s
     assert JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30).start_s == 300.0
     assert JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=900).start_s == 900.0
-    assert JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30, start_timeout_s=5).start_s == 5.0
+    assert (
+        JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30, start_timeout_s=5).start_s
+        == 5.0
+    )
+
+
+class _StaleClient:
+    """A Dask client whose scheduler query fails as on a busy host: ``scheduler_info()`` then
+    answers with its cache, which the client's periodic refresh filled with no workers."""
+
+    class _Scheduler:
+        def identity(self, n_workers: int = 0) -> dict[str, Any]:
+            raise AssertionError("called only through sync")
+
+    def __init__(self) -> None:
+        self.scheduler = self._Scheduler()
+        self.fail = True
+
+    def scheduler_info(self, n_workers: int = -1) -> dict[str, Any]:
+        return {"workers": {}}  # distributed swallows the OSError and returns the cache
+
+    def sync(self, func: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
+        if self.fail:
+            raise OSError("Timed out trying to connect to the scheduler")
+        return {"workers": {"tcp://w0": {}, "tcp://w1": {}}}
+
+
+class _Pending:
+    def done(self) -> bool:
+        return False
+
+
+class _Wait:
+    @staticmethod
+    def wait(futures: list[Any], timeout: float, return_when: str) -> None:
+        raise TimeoutError
+
+
+def test_dask_liveness_ignores_a_failed_scheduler_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler query that fails is not the news that every worker left (ci61: both ranks of
+    a finished job were declared dead from the client's empty cache); the next answer counts."""
+    from torsh_distributed.launch import _dask_backend
+
+    monkeypatch.setattr(_dask_backend, "_LIVENESS_EVERY_S", 0.0)
+    client = _StaleClient()
+    job = _dask_backend._Job(_Wait, client, JobSpec(fn=_noop, num_workers=2), stop_ranks=True)
+    job.addresses = ["tcp://w0", "tcp://w1"]
+    job.futures = {_Pending(): 0, _Pending(): 1}
+    poll = job._poll_fn(["w0", "w1"])
+    assert list(poll(0.0)) == []  # unknown, not dead
+    client.fail = False
+    assert list(poll(0.0)) == []  # both alive
+    job.addresses = ["tcp://w0", "tcp://gone"]
+    [dead] = poll(0.0)
+    assert (dead.rank, dead.died, dead.error) == (1, True, "worker tcp://gone left the cluster")

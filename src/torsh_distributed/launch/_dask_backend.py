@@ -109,7 +109,12 @@ class _Job:
         self.store_worker: str | None = None
 
     def _workers(self) -> dict[str, dict[str, Any]]:
-        return dict(self.client.scheduler_info(n_workers=-1)["workers"])
+        """The scheduler's workers, asked now. Not ``client.scheduler_info()``: when its query
+        fails (an ``OSError``: a timed-out or closed comm on a busy host) it returns the
+        client's cached copy without a word, and the client's periodic refresh caches *no*
+        workers (``n_workers=0``): every rank then looked dead at once (ci61)."""
+        identity = self.client.sync(self.client.scheduler.identity, n_workers=-1)
+        return dict(identity["workers"])
 
     def _submit(self, func: Any, *args: Any, worker: str, key: str) -> Any:
         return self.client.submit(
@@ -229,7 +234,11 @@ class _Job:
                 outcomes.append(_outcome(future, rank, wheres[rank]))
             if pending and time.monotonic() - last_check >= _LIVENESS_EVERY_S:
                 last_check = time.monotonic()
-                alive = self._workers()
+                try:
+                    alive = self._workers()
+                except OSError as exc:  # the scheduler did not answer: ask again next time
+                    log.debug("launch.dask: the scheduler's worker list failed: %s", exc)
+                    return outcomes
                 for future, rank in list(pending.items()):
                     if self.addresses[rank] not in alive:  # the process died (a nanny restart
                         pending.pop(future)  # comes back under a new address)

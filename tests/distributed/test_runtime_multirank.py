@@ -220,15 +220,22 @@ def test_harness_never_loses_returned_tensors():
             assert torch.equal(res["view"], res["big"][3:1000:7])
 
 
-def _frozen_objects() -> int:
+def _server_state() -> tuple[int, str | None]:
     import gc
+    import os
 
-    return gc.get_freeze_count()
+    return gc.get_freeze_count(), os.environ.get("OMP_WAIT_POLICY")
 
 
 def test_ranks_fork_from_a_server_whose_objects_are_frozen():
     """The harness's forkserver imports ``runtime._gc_freeze`` last: a rank's garbage collections
     (``world.shutdown`` runs one) skip the ~300,000 objects torch's import created, 0.15 CPU-s
-    each. Fails if the preload stops freezing them."""
-    counts = run_distributed(_frozen_objects, 2, timeout=60, init=False)
-    assert min(counts) > 100_000, counts
+    each; and ``runtime._omp_wait`` first, so that OpenMP's idle threads sleep instead of spinning
+    (unless the suite's environment chose a policy). Fails if the preload stops doing either."""
+    states = run_distributed(_server_state, 2, timeout=60, init=False)
+    assert min(count for count, _ in states) > 100_000, states
+    import os
+
+    chosen = any(name in os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+    expected = os.environ.get("OMP_WAIT_POLICY") if chosen else "PASSIVE"
+    assert {policy for _, policy in states} == {expected}, states

@@ -47,3 +47,11 @@ def test_horovod_default_start_timeout_stretches_but_a_set_one_does_not(monkeypa
     _host(monkeypatch, load=0.5, cores=2)
     monkeypatch.delenv("HOROVOD_START_TIMEOUT")
     assert _launch._start_timeout(None) == _launch.DEFAULT_START_TIMEOUT_S
+
+
+def test_openmp_waits_sleep_unless_the_user_chose() -> None:
+    env: dict[str, str] = {}
+    assert busy.sleeping_openmp_waits(env) and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        env = dict(chosen)
+        assert not busy.sleeping_openmp_waits(env) and env == chosen  # the user's is kept

@@ -63,7 +63,12 @@ def test_without_a_preloaded_base_only_missing_variables_are_added(
 
 
 def test_preload_names_the_engine_only_for_our_own_modules() -> None:
-    assert _warm.preload_for(None)[:3] == ["torsh_distributed.elastic._warm", "torch", "torch._dynamo"]
+    assert _warm.preload_for(None)[:4] == [
+        "torsh_distributed.elastic._warm",  # first: the forkserver's own environment, before any preload
+        "torsh_distributed.runtime._omp_wait",  # before torch loads OpenMP
+        "torch",
+        "torch._dynamo",
+    ]
     assert "torsh_distributed.engine.engine" in _warm.preload_for("torsh_distributed.train")
     assert "torsh_distributed.engine.engine" not in _warm.preload_for("mypkg.train")
 
@@ -72,7 +77,8 @@ def test_importing_the_module_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, torsh_distributed.elastic._warm, torsh_distributed.elastic._options; "
+    code = ("import sys, torsh_distributed.elastic._warm, torsh_distributed.elastic._options, "
+            "torsh_distributed.runtime._omp_wait; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

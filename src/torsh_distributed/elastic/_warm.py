@@ -107,7 +107,8 @@ if _in_forkserver():
     # it ends at once (registered first, this handler runs after every other one).
     atexit.register(_exit_now)
 
-_PRELOAD = ("torsh_distributed.elastic._warm", "torch", "torch._dynamo")
+# _omp_wait before torch: OpenMP's idle threads sleep (read once, when torch loads OpenMP)
+_PRELOAD = ("torsh_distributed.elastic._warm", "torsh_distributed.runtime._omp_wait", "torch", "torch._dynamo")
 # What `torsh-dist train`'s workers import besides: the engine and the trainer (~0.5 s more).
 _TRAIN_PRELOAD = ("torsh_distributed.engine.engine", "torsh_distributed.train.trainer")
 # What the ranks of fault-tolerant replica groups (torsh_distributed.ft.launch) import besides.

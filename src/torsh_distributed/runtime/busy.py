@@ -10,8 +10,9 @@ factor (never shrinks it); a deadline the user set is theirs and is never change
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
-__all__ = ["busy_factor", "scaled_start_timeout", "usable_cores"]
+__all__ = ["busy_factor", "scaled_start_timeout", "sleeping_openmp_waits", "usable_cores"]
 
 MAX_FACTOR = 10.0
 """A hung process must still be found: the stretch stops at 10 times the quiet deadline."""
@@ -37,3 +38,22 @@ def busy_factor() -> float:
 def scaled_start_timeout(default_s: float) -> float:
     """``default_s`` stretched by :func:`busy_factor`: the default deadline of a start-up."""
     return default_s * busy_factor()
+
+
+OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""What decides how GNU OpenMP's idle threads wait; a user who set either keeps their choice."""
+
+
+def sleeping_openmp_waits(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (this process's environment by default)
+    unless the user set how OpenMP waits; True when it was set here.
+
+    Idle OpenMP threads then sleep instead of spinning, so a busy host's neighbours do not turn
+    torch's thread team into a spin-wait (``torsh_distributed.runtime._omp_wait``). It takes
+    effect in a process that imports torch afterwards: this one, if it has not yet, and every
+    process started from it."""
+    env = os.environ if environ is None else environ
+    if any(name in env for name in OMP_WAIT_VARIABLES):
+        return False
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True

@@ -1,0 +1,176 @@
+"""OpenMP's wait policy on a busy host: one process's torch threads, spinning vs sleeping.
+
+Usage::
+
+    python benchmarks/bench_omp_wait.py --presets tiny,demo --rounds 3 --burners-per-core 1 \
+        --variants unset,OMP_WAIT_POLICY=PASSIVE,GOMP_SPINCOUNT=1000
+
+torch's CPU kernels run on an OpenMP team of ``torch.get_num_threads()`` threads (every usable core
+by default, and the engine's default for a one-process job). Between parallel regions GNU
+OpenMP's threads *spin* for a while before they sleep (``OMP_WAIT_POLICY`` unset), which is
+cheap when every thread has a core of its own and ruinous when another process holds the core a
+spinning thread waits for: the team's barrier waits for a thread that is not running while its
+peers burn the time slices it needs. ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep at once.
+
+Each round runs ``torsh-dist train --nproc-per-node 1`` once per environment (``--variants``;
+the order rotates from round to round; the policy must be in the environment before torch is imported, so every run is
+a fresh command; it calls the CLI's ``main()``, since the ``torsh-dist`` script itself sets
+``OMP_WAIT_POLICY=PASSIVE`` when the variable is unset) and reads ``tokens_per_s`` from ``--summary-json``; the CPU seconds are the
+command's and its children's (``RUSAGE_CHILDREN``). ``--burners-per-core B`` runs B busy-loop
+processes per core beside every run (the neighbours of a busy host). Prints a Markdown table:
+median tokens/s and CPU-s per environment, the ratio to the first, and the losses (they must
+agree: the wait policy changes no arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSET = "unset"
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def _cpu_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(variant: str, preset: str, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = Path(tmp) / "summary.json"
+        cmd = [
+            # main(), not the console script: the script sets OMP_WAIT_POLICY=PASSIVE when unset
+            sys.executable,
+            "-c",
+            "from torsh_distributed.cli.main import main; raise SystemExit(main())",
+            "train",
+            "--preset",
+            preset,
+            "--nproc-per-node",
+            "1",
+            "--max-steps",
+            str(args.steps),
+            "--eval-batches",
+            "1",
+            "--progress",
+            "off",
+            "--summary-json",
+            str(summary),
+            *args.train_arg,
+        ]
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        env.pop("OMP_NUM_THREADS", None)  # the engine's default: every usable core
+        for name in WAIT_VARIABLES:
+            env.pop(name, None)
+        if variant != UNSET:
+            env.update(item.split("=", 1) for item in variant.split("+"))
+        before = _cpu_children()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        cpu = _cpu_children() - before
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(summary.read_text())
+        result["cpu_s"] = cpu
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="tiny,demo", help="comma list of --preset names")
+    parser.add_argument(
+        "--variants",
+        default=f"{UNSET},OMP_WAIT_POLICY=PASSIVE,GOMP_SPINCOUNT=1000",
+        help=f"comma list of environments, KEY=VALUE joined by '+' ({UNSET!r}: neither "
+        "OMP_WAIT_POLICY nor GOMP_SPINCOUNT set, GNU OpenMP's default); ratios are to the first",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="runs per policy and preset")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
+    parser.add_argument(
+        "--burners-per-core",
+        type=int,
+        default=0,
+        help="CPU-burning neighbour processes per core during the runs",
+    )
+    parser.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument of every run (repeatable; --train-arg=--batch-size --train-arg=4)",
+    )
+    parser.add_argument("--json", default="", help="write the results to this file")
+    args = parser.parse_args(argv)
+    variants = tuple(v.strip() for v in args.variants.split(","))
+    bad = [v for v in variants if v != UNSET and any("=" not in item for item in v.split("+"))]
+    if len(variants) < 2 or bad or args.burners_per_core < 0 or args.rounds < 1:
+        parser.error(
+            f"--variants takes 2 or more environments (bad: {bad}); --burners-per-core >= 0; "
+            "--rounds >= 1"
+        )
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(args.burners_per_core * (os.cpu_count() or 1))
+    ]
+    try:
+        return _measure(args, variants, len(burners))
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+def _measure(args: argparse.Namespace, variants: tuple[str, ...], burners: int) -> int:
+    load_before = os.getloadavg()
+    rows = []
+    for preset in args.presets.split(","):
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for r in range(args.rounds):
+            # each round in another order, so no variant always runs first or last
+            shift = r % len(variants)
+            for v in variants[shift:] + variants[:shift]:
+                runs[v].append(_run(v, preset, args))
+        rows.append(
+            {
+                "preset": preset,
+                "params": runs[variants[0]][0]["num_params"],
+                "tokens_per_s": {v: [x["tokens_per_s"] for x in runs[v]] for v in variants},
+                "cpu_s": {v: [x["cpu_s"] for x in runs[v]] for v in variants},
+                "final_losses": {
+                    v: sorted({round(x["final_loss"], 5) for x in runs[v]}) for v in variants
+                },
+            }
+        )
+    base = variants[0]
+    print(
+        f"| preset (params) | environment | tokens/s median (runs) | / {base} | CPU-s per run | final loss |"
+    )
+    print("|---|---|---:|---:|---:|---|")
+    for row in rows:
+        tps, cpu = row["tokens_per_s"], row["cpu_s"]
+        med = {v: statistics.median(tps[v]) for v in variants}
+        for v in variants:
+            print(
+                f"| {row['preset']} ({row['params']}) | {v} | {med[v]:.0f} "
+                f"({', '.join(f'{x:.0f}' for x in tps[v])}) | {med[v] / med[base]:.2f} "
+                f"| {statistics.median(cpu[v]):.1f} | {row['final_losses'][v]} |"
+            )
+    print(
+        f"{burners} burner process(es) on {os.cpu_count()} cores; load average before "
+        f"{load_before}, after {os.getloadavg()}; train args: {args.train_arg or 'default'}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "burners": burners}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

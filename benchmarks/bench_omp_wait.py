@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_omp_wait.py --presets tiny,demo --rounds 3 --burners-per-core 1 \
-        --variants unset,OMP_WAIT_POLICY=PASSIVE,GOMP_SPINCOUNT=1000
+        --variants unset,OMP_WAIT_POLICY=PASSIVE,torsh-dist
 
 torch's CPU kernels run on an OpenMP team of ``torch.get_num_threads()`` threads (every usable core
 by default, and the engine's default for a one-process job). Between parallel regions GNU
@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSET = "unset"
+DECIDES = "torsh-dist"  # the console script's own decision: PASSIVE on a busy host, else unset
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
@@ -44,42 +45,96 @@ def _cpu_children() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _run(variant: str, preset: str, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = Path(tmp) / "summary.json"
-        cmd = [
-            # main(), not the console script: the script sets OMP_WAIT_POLICY=PASSIVE when unset
-            sys.executable,
-            "-c",
-            "from torsh_distributed.cli.main import main; raise SystemExit(main())",
+def _env(variant: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("OMP_NUM_THREADS", None)  # the engine's default: every usable core
+    for name in WAIT_VARIABLES:
+        env.pop(name, None)
+    env.pop("TORSH_OMP_WAIT", None)
+    if variant not in (UNSET, DECIDES):
+        env.update(item.split("=", 1) for item in variant.split("+"))
+    return env
+
+
+def _cli(argv: list[str], env: dict[str, str], *, script: bool = False) -> float:
+    """Run ``torsh-dist ARGV`` through the CLI's ``main()``, which leaves OpenMP's wait policy to
+    ``env``, or with ``script`` as the console script (it decides: runtime/_omp_wait.py); the CPU
+    seconds it and its children used."""
+    entry = "entry()" if script else "raise SystemExit(main())"
+    cmd = [
+        sys.executable,
+        "-c",
+        f"from torsh_distributed.cli.main import entry, main; {entry}",
+        *argv,
+    ]
+    before = _cpu_children()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return _cpu_children() - before
+
+
+def _checkpoint(preset: str, directory: Path, args: argparse.Namespace) -> None:
+    """A checkpoint of ``preset`` for ``--command generate`` (trained once, default environment)."""
+    _cli(
+        [
             "train",
             "--preset",
             preset,
-            "--nproc-per-node",
-            "1",
             "--max-steps",
             str(args.steps),
             "--eval-batches",
             "1",
             "--progress",
             "off",
-            "--summary-json",
-            str(summary),
+            "--checkpoint-dir",
+            str(directory),
             *args.train_arg,
-        ]
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-        env.pop("OMP_NUM_THREADS", None)  # the engine's default: every usable core
-        for name in WAIT_VARIABLES:
-            env.pop(name, None)
-        if variant != UNSET:
-            env.update(item.split("=", 1) for item in variant.split("+"))
-        before = _cpu_children()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        cpu = _cpu_children() - before
-        if done.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-        result = json.loads(summary.read_text())
+        ],
+        _env(UNSET),
+    )
+
+
+def _run(variant: str, preset: str, args: argparse.Namespace, checkpoint: Path | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        if checkpoint is None:
+            argv = [
+                "train",
+                "--preset",
+                preset,
+                "--nproc-per-node",
+                "1",
+                "--max-steps",
+                str(args.steps),
+                "--eval-batches",
+                "1",
+                "--progress",
+                "off",
+                "--summary-json",
+                str(out),
+                *args.train_arg,
+            ]
+        else:
+            argv = [
+                "generate",
+                "--checkpoint",
+                str(checkpoint),
+                "--prompt",
+                "def main():",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                str(args.new_tokens),
+                "--output",
+                str(out),
+            ]
+        cpu = _cli(argv, _env(variant), script=variant == DECIDES)
+        result = json.loads(out.read_text())
         result["cpu_s"] = cpu
+        if checkpoint is not None:  # greedy: every environment must decode the same tokens
+            result["final_loss"] = hash(tuple(result["tokens"])) % 100_000
+            result["num_params"] = "generate"
         return result
 
 
@@ -88,11 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default="tiny,demo", help="comma list of --preset names")
     parser.add_argument(
         "--variants",
-        default=f"{UNSET},OMP_WAIT_POLICY=PASSIVE,GOMP_SPINCOUNT=1000",
+        default=f"{UNSET},OMP_WAIT_POLICY=PASSIVE,{DECIDES}",
         help=f"comma list of environments, KEY=VALUE joined by '+' ({UNSET!r}: neither "
-        "OMP_WAIT_POLICY nor GOMP_SPINCOUNT set, GNU OpenMP's default); ratios are to the first",
+        f"OMP_WAIT_POLICY nor GOMP_SPINCOUNT set, GNU OpenMP's default; {DECIDES!r}: what the "
+        "torsh-dist command decides from the host's load); ratios are to the first",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="runs per policy and preset")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per environment and preset")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument(
         "--burners-per-core",
@@ -107,10 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="one more argument of every run (repeatable; --train-arg=--batch-size --train-arg=4)",
     )
+    parser.add_argument(
+        "--command",
+        choices=("train", "generate"),
+        default="train",
+        help="train: tokens/s of training; generate: decode tokens/s of a checkpoint "
+        "trained first (greedy, so every environment must give the same tokens)",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, default=100, help="--command generate: tokens per run"
+    )
     parser.add_argument("--json", default="", help="write the results to this file")
     args = parser.parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(","))
-    bad = [v for v in variants if v != UNSET and any("=" not in item for item in v.split("+"))]
+    bad = [
+        v for v in variants if v not in (UNSET, DECIDES) and any("=" not in i for i in v.split("+"))
+    ]
     if len(variants) < 2 or bad or args.burners_per_core < 0 or args.rounds < 1:
         parser.error(
             f"--variants takes 2 or more environments (bad: {bad}); --burners-per-core >= 0; "
@@ -133,11 +201,16 @@ def _measure(args: argparse.Namespace, variants: tuple[str, ...], burners: int) 
     rows = []
     for preset in args.presets.split(","):
         runs: dict[str, list[dict]] = {v: [] for v in variants}
-        for r in range(args.rounds):
-            # each round in another order, so no variant always runs first or last
-            shift = r % len(variants)
-            for v in variants[shift:] + variants[:shift]:
-                runs[v].append(_run(v, preset, args))
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = None
+            if args.command == "generate":
+                checkpoint = Path(tmp) / "ck"
+                _checkpoint(preset, checkpoint, args)
+            for r in range(args.rounds):
+                # each round in another order, so no variant always runs first or last
+                shift = r % len(variants)
+                for v in variants[shift:] + variants[:shift]:
+                    runs[v].append(_run(v, preset, args, checkpoint))
         rows.append(
             {
                 "preset": preset,
@@ -150,8 +223,9 @@ def _measure(args: argparse.Namespace, variants: tuple[str, ...], burners: int) 
             }
         )
     base = variants[0]
+    last = "final loss" if args.command == "train" else "tokens' hash"
     print(
-        f"| preset (params) | environment | tokens/s median (runs) | / {base} | CPU-s per run | final loss |"
+        f"| preset (params) | environment | {args.command} tokens/s median (runs) | / {base} | CPU-s per run | {last} |"
     )
     print("|---|---|---:|---:|---:|---|")
     for row in rows:
@@ -165,7 +239,7 @@ def _measure(args: argparse.Namespace, variants: tuple[str, ...], burners: int) 
             )
     print(
         f"{burners} burner process(es) on {os.cpu_count()} cores; load average before "
-        f"{load_before}, after {os.getloadavg()}; train args: {args.train_arg or 'default'}"
+        f"{load_before}, after {os.getloadavg()}; command {args.command}; train args: {args.train_arg or 'default'}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "burners": burners}))

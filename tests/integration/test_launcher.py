@@ -129,7 +129,7 @@ def test_module_form_passes_arguments_through(tmp_path: Path) -> None:
 def test_forkserver_workers_see_what_spawned_ones_see(tmp_path: Path) -> None:
     """The warm start (the default) forks workers from a process that imported torch before the
     launcher set their environment: each must still get the launcher's environment at launch
-    (OMP_NUM_THREADS, OMP_WAIT_POLICY, the job id, GLOO_SOCKET_IFNAME), its own rank variables, the working
+    (OMP_NUM_THREADS, OpenMP's wait policy, the job id, GLOO_SOCKET_IFNAME), its own rank variables, the working
     directory, ``sys.path[0]``, ``sys.argv`` and a command line naming its module, exactly as
     a freshly spawned worker does, and run the script's ``atexit`` handlers when it ends. Fails
     if any of these leaks from the forkserver."""
@@ -142,7 +142,7 @@ def test_forkserver_workers_see_what_spawned_ones_see(tmp_path: Path) -> None:
         atexit.register(lambda: open(f"atexit.{os.environ['TORSH_PROBE']}.{os.environ['RANK']}",
                                      "w").close())
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
-                "TORSH_PROBE", "OMP_WAIT_POLICY")
+                "TORSH_PROBE", "OMP_WAIT_POLICY", "TORSH_OMP_WAIT")
         env = {k: os.environ.get(k) for k in keys}
         env["job"] = bool(os.environ.get("TORSH_JOB_ID"))
         with open("/proc/self/cmdline", "rb") as f:
@@ -158,6 +158,7 @@ def test_forkserver_workers_see_what_spawned_ones_see(tmp_path: Path) -> None:
         env.pop("OMP_NUM_THREADS", None)
         env.pop("OMP_WAIT_POLICY", None)
         env.pop("GOMP_SPINCOUNT", None)
+        env.pop("TORSH_OMP_WAIT", None)
         result = subprocess.run(
             _cmd("--nproc-per-node", "2", "--start-method", method, "-m", "torsh_warm_probe.job",
                  "--x", "1"),
@@ -174,9 +175,14 @@ def test_forkserver_workers_see_what_spawned_ones_see(tmp_path: Path) -> None:
         assert (spawn.pop("warm"), warm.pop("warm")) == (False, True)
         assert spawn["env"].pop("TORSH_PROBE") == "spawn"
         assert warm["env"].pop("TORSH_PROBE") == "forkserver"
+        # each command decided how OpenMP waits from the host's load (runtime/_omp_wait.py); its
+        # workers inherit its decision, whichever way they start
+        for worker in (spawn, warm):
+            decision, policy = worker["env"].pop("TORSH_OMP_WAIT"), worker["env"].pop("OMP_WAIT_POLICY")
+            assert decision.startswith(("PASSIVE (busy): ", "spin (quiet): ")), decision
+            assert policy == ("PASSIVE" if decision.startswith("PASSIVE") else None), (decision, policy)
         assert warm == spawn
         assert warm["env"]["RANK"] == str(rank) and warm["env"]["OMP_NUM_THREADS"] == "1"
-        assert warm["env"]["OMP_WAIT_POLICY"] == "PASSIVE"  # the command's default (runtime/_omp_wait.py)
         assert warm["env"]["job"] and warm["named"]
         assert warm["path0"] == warm["cwd"] == str(tmp_path)
 

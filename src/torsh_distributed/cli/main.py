@@ -81,8 +81,9 @@ def entry() -> None:
     process's module objects takes 0.8-1 s on the 2-core VM (0.2 s frozen); every command pays
     it, and the shell waits for it. Files are closed by the commands themselves; ``atexit``
     handlers still run."""
-    # before anything imports torch: OpenMP's idle threads sleep instead of spinning, here and
-    # in every process this command starts, unless the user chose (runtime/_omp_wait.py)
+    # before anything imports torch: on a busy host OpenMP's idle threads sleep instead of
+    # spinning, here and in every process this command starts, unless the user chose
+    # (runtime/_omp_wait.py)
     from torsh_distributed.elastic import _warm
     from torsh_distributed.runtime import _omp_wait  # noqa: F401
 

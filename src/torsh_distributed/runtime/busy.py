@@ -5,6 +5,9 @@ seconds of wall time, but the work behind it is CPU time shared with everything 
 at a 1-minute load of 20 on 2 usable cores a start takes about 10 times as long as on the same
 machine when it is quiet. :func:`scaled_start_timeout` stretches a *default* deadline by that
 factor (never shrinks it); a deadline the user set is theirs and is never changed.
+
+How torch's OpenMP threads wait follows the host too: :func:`sleeping_openmp_waits` makes them
+sleep instead of spin when the host is busy at start (``runtime/_omp_wait.py``).
 """
 
 from __future__ import annotations

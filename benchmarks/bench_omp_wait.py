@@ -34,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _burners
+
 ROOT = Path(__file__).resolve().parents[1]
 UNSET = "unset"
 DECIDES = "torsh-dist"  # the console script's own decision: PASSIVE on a busy host, else unset
@@ -74,47 +76,22 @@ def _cli(argv: list[str], env: dict[str, str], *, script: bool = False) -> float
     return _cpu_children() - before
 
 
+def _train_argv(preset: str, args: argparse.Namespace, *out: str) -> list[str]:
+    """``train`` of ``preset`` for ``--steps`` steps, one evaluation batch, no progress bar."""
+    return ["train", "--preset", preset, "--max-steps", str(args.steps), "--eval-batches", "1",
+            "--progress", "off", *out, *args.train_arg]  # fmt: skip
+
+
 def _checkpoint(preset: str, directory: Path, args: argparse.Namespace) -> None:
     """A checkpoint of ``preset`` for ``--command generate`` (trained once, default environment)."""
-    _cli(
-        [
-            "train",
-            "--preset",
-            preset,
-            "--max-steps",
-            str(args.steps),
-            "--eval-batches",
-            "1",
-            "--progress",
-            "off",
-            "--checkpoint-dir",
-            str(directory),
-            *args.train_arg,
-        ],
-        _env(UNSET),
-    )
+    _cli(_train_argv(preset, args, "--checkpoint-dir", str(directory)), _env(UNSET))
 
 
 def _run(variant: str, preset: str, args: argparse.Namespace, checkpoint: Path | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         if checkpoint is None:
-            argv = [
-                "train",
-                "--preset",
-                preset,
-                "--nproc-per-node",
-                "1",
-                "--max-steps",
-                str(args.steps),
-                "--eval-batches",
-                "1",
-                "--progress",
-                "off",
-                "--summary-json",
-                str(out),
-                *args.train_arg,
-            ]
+            argv = _train_argv(preset, args, "--nproc-per-node", "1", "--summary-json", str(out))
         else:
             argv = [
                 "generate",
@@ -150,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="runs per environment and preset")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
-    parser.add_argument(
-        "--burners-per-core",
-        type=int,
-        default=0,
-        help="CPU-burning neighbour processes per core during the runs",
-    )
+    _burners.add_argument(parser)
     parser.add_argument(
         "--train-arg",
         action="append",
@@ -184,16 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--variants takes 2 or more environments (bad: {bad}); --burners-per-core >= 0; "
             "--rounds >= 1"
         )
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(args.burners_per_core * (os.cpu_count() or 1))
-    ]
-    try:
-        return _measure(args, variants, len(burners))
-    finally:
-        for b in burners:
-            b.kill()
-            b.wait()
+    with _burners.burning(args.burners_per_core) as burners:
+        return _measure(args, variants, burners)
 
 
 def _measure(args: argparse.Namespace, variants: tuple[str, ...], burners: int) -> int:

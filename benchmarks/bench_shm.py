@@ -31,7 +31,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import _burners  # noqa: E402
 
 from torsh_distributed.cli.bench import parse_size  # noqa: E402
 from torsh_distributed.testing import run_distributed  # noqa: E402
@@ -137,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1K,64K,1M,32M,256M", help="comma list of sizes")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size and impl")
     parser.add_argument("--json", default="", help="write the results to this file")
-    parser.add_argument("--burners-per-core", type=int, default=0,
-                        help="CPU-burning neighbour processes per core during the run")
+    _burners.add_argument(parser)
     parser.add_argument("--rounds", type=int, default=1, help="repeat every world size")
     args = parser.parse_args(argv)
     if args.burners_per_core < 0 or args.rounds < 1:
@@ -151,13 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(r < 2 for r in ranks):
         parser.error("--ranks: world sizes must be >= 2")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(args.burners_per_core * (os.cpu_count() or 1))
-    ]
-    load_before = os.getloadavg()
     results: dict[int, list[dict]] = {}
-    try:
+    with _burners.burning(args.burners_per_core) as burners:
+        load_before = os.getloadavg()
         for _ in range(args.rounds):
             for n in ranks:
                 out = run_distributed(
@@ -169,12 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     env={"OMP_NUM_THREADS": "1"},
                 )
                 results.setdefault(n, []).append(out[0])
-    finally:
-        for b in burners:
-            b.kill()
-            b.wait()
     load_after = os.getloadavg()
-    print(f"{len(burners)} burner process(es) beside the ranks")
+    print(f"{burners} burner process(es) beside the ranks")
     print(_table(results))
     print(
         f"load average (1/5/15 min) before: {load_before}, after: {load_after}; "

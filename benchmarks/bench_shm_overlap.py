@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,6 +44,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import _burners  # noqa: E402
 
 from torsh_distributed.models.config import ModelConfig  # noqa: E402
 from torsh_distributed.models.gpt import GPT  # noqa: E402
@@ -154,17 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    parser.add_argument("--burners-per-core", type=int, default=0)
+    _burners.add_argument(parser)
     parser.add_argument("--json", default="", help="write the rows to this file")
     args = parser.parse_args(argv)
     if args.ranks < 2 or args.rounds < 1 or args.steps < 1 or args.burners_per_core < 0:
         parser.error("--ranks >= 2, --rounds >= 1, --steps >= 1, --burners-per-core >= 0")
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(args.burners_per_core * (os.cpu_count() or 1))
-    ]
-    load_before = os.getloadavg()
-    try:
+    with _burners.burning(args.burners_per_core) as burners:
+        load_before = os.getloadavg()
         rows = run_distributed(
             _rank_body,
             args.ranks,
@@ -183,12 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout=1800,
             env={"OMP_NUM_THREADS": "1"},
         )[0]
-    finally:
-        for b in burners:
-            b.kill()
-            b.wait()
     load_after = os.getloadavg()
-    print(f"{args.ranks} ranks, {len(burners)} burner process(es) beside them")
+    print(f"{args.ranks} ranks, {burners} burner process(es) beside them")
     print(_table(rows))
     print(f"load average (1/5/15 min) before: {load_before}, after: {load_after}")
     if args.json:

@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _burners
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BACKENDS = "gloo,gloo+shm"
 
@@ -90,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2, help="per rank")
     parser.add_argument("--backends", default=DEFAULT_BACKENDS, help="comma list, 2 names")
-    parser.add_argument(
-        "--burners-per-core",
-        type=int,
-        default=0,
-        help="CPU-burning neighbour processes per core during the runs",
-    )
+    _burners.add_argument(parser)
     parser.add_argument(
         "--env",
         action="append",
@@ -126,19 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--backends takes two names; --burners-per-core must be >= 0")
     if any("=" not in item for item in args.env):
         parser.error("--env takes KEY=VALUE")
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(args.burners_per_core * (os.cpu_count() or 1))
-    ]
-    try:
+    with _burners.burning(args.burners_per_core) as burners:
         return _measure(args, backends, burners)
-    finally:
-        for b in burners:
-            b.kill()
-            b.wait()
 
 
-def _measure(args: argparse.Namespace, backends: tuple[str, str], burners: list) -> int:
+def _measure(args: argparse.Namespace, backends: tuple[str, str], burners: int) -> int:
     load_before = os.getloadavg()
     # the second backend's column is named with its own flags (``auto,auto`` then compares them)
     labels = (backends[0], " ".join([backends[1], *args.second_arg]))
@@ -179,7 +168,7 @@ def _measure(args: argparse.Namespace, backends: tuple[str, str], burners: list)
             f"{row['final_losses'][b]} | {row['resolved'][a]} / {row['resolved'][b]} |"
         )
     print(
-        f"parameters: {rows[0]['params']}; {len(burners)} burner process(es); load average "
+        f"parameters: {rows[0]['params']}; {burners} burner process(es); load average "
         f"before {load_before}, after {load_after}; ranks' env: {args.env or 'default'}; "
         f"train args: {args.train_arg or 'default'}"
     )

@@ -63,21 +63,28 @@ def test_prometheus_scrapes_step_time_of_both_ranks(tmp_path: Path):
         run.wait_http(f"http://127.0.0.1:{metrics_port}/metrics")
         deadline = time.monotonic() + 90
         ranks: dict[str, float] = {}
-        slowest: list[dict] = []
+        scrapes = 0
+        # The slowest rank is judged per monitor window (2 steps): a window in which the host
+        # descheduled rank 0 for longer than rank 1's 60 ms of sleep names rank 0, so the test
+        # reads the gauge over several scrapes, not one.
+        slowest_rank = f'torsh_slowest_rank{{job="{JOB}"}}'
         while time.monotonic() < deadline:
             assert prometheus.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
             try:
                 result = _query(prom_port, f'torsh_step_time_seconds{{job="{JOB}"}}')
-                slowest = _query(prom_port, f'torsh_slowest_rank{{job="{JOB}"}}')
+                counted = _query(prom_port, f"count_over_time({slowest_rank}[1m])")
             except OSError:
-                result = []  # Prometheus still starting
+                result, counted = [], []  # Prometheus still starting
             ranks = {r["metric"]["rank"]: float(r["value"][1]) for r in result}
-            if set(ranks) == {"0", "1"} and slowest:
+            scrapes = int(float(counted[0]["value"][1])) if counted else 0
+            if set(ranks) == {"0", "1"} and scrapes >= 7:
                 break
             time.sleep(1)
         assert set(ranks) == {"0", "1"}, f"step-time series seen: {ranks}\n{run.output()}"
         assert all(v > 0 for v in ranks.values())
-        assert float(slowest[0]["value"][1]) == 1.0, "the slowed rank 1 is not the slowest"
+        assert scrapes >= 7, f"{scrapes} scrapes of the slowest rank in 90 s"
+        share = float(_query(prom_port, f"avg_over_time({slowest_rank}[1m])")[0]["value"][1])
+        assert share > 0.5, f"the slowed rank 1 is the slowest in only {share:.0%} of {scrapes} scrapes"
         phases = _query(prom_port, f'torsh_step_phase_seconds{{job="{JOB}",rank="1",phase="data"}}')
         assert phases and float(phases[0]["value"][1]) > 0.02  # rank 1 sleeps 30 ms there
         assert _query(prom_port, 'up{job="torsh"}')[0]["value"][1] == "1"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import types
@@ -89,6 +90,53 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
 def test_refusal_is_one_line_and_imports_no_torch(argv: list[str], line: str):
     code, loaded, out, err = _run(*argv)
     assert (code, out, err) == (2, "", line)
+    assert loaded == [], f"torsh-dist {' '.join(argv)} imported {loaded}"
+
+
+# Bad paths and unreachable servers: each was refused only after `import torch` (5-9 s on the
+# 2-core VM, 20-40 s under load) until the twenty-second session. {tmp}: an empty directory,
+# {port}: a closed port, {cwd}: the working directory.
+MISSING = "/nonexistent-torsh"
+PATH_REFUSALS = [
+    (["run", "no_such_script.py"],
+     "torsh-dist run: error: script 'no_such_script.py' is not a file (working directory {cwd})"),
+    (["generate", "--checkpoint", MISSING, "--prompt", "a"],
+     f"torsh-dist generate: error: no such checkpoint directory: {MISSING}"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "a"],
+     "torsh-dist generate: error: no checkpoint in {tmp}: it holds no step_XXXXXXXX checkpoint "
+     "directories (is it the --checkpoint-dir of a torsh-dist train run?)"),
+    (["infer", "--checkpoint", MISSING, "--input", "in.jsonl", "--output", "out.jsonl"],
+     f"torsh-dist infer: error: no such checkpoint directory: {MISSING}"),
+    (["checkpoint", "list", MISSING], f"torsh-dist checkpoint list: {MISSING} does not exist"),
+    (["bench", "collectives", "--sizes", "12Q"],
+     "torsh-dist bench: error: size must look like 1K, 1M or 4096, got '12Q'"),
+    (["federated", "--clients", "0"], "torsh-dist federated: error: federated.clients must be > 0, got 0"),
+    (["federated", "--model", "{tmp}/nets.py:make", "--dataset", "{tmp}/nets.py:data"],
+     "torsh-dist federated: error: --model {tmp}/nets.py:make: cannot import '{tmp}/nets.py': "
+     "FileNotFoundError: no such file {tmp}/nets.py"),
+    (["train", "--model", "nets.py:make", "--dataset", "nets.py:data"],
+     "torsh-dist train: error: --model nets.py:make: cannot import 'nets.py': FileNotFoundError: "
+     "no such file nets.py"),
+    (["train", "--nproc-per-node", "2", "--mlflow", "http://127.0.0.1:{port}"],
+     "torsh-dist train: error: --mlflow: MLflow tracking URI 'http://127.0.0.1:{port}' is not usable: "
+     "cannot connect to 127.0.0.1:{port}: Connection refused"),
+    (["train", "--checkpoint-dir", "/dev/null/ckpt"],
+     "torsh-dist train: error: --checkpoint-dir '/dev/null/ckpt' cannot be created: /dev/null is not a directory"),
+    (["train", "--resume", "always"],
+     "torsh-dist train: error: --resume always: no such checkpoint directory (give auto, never, or a "
+     "checkpoint's path)"),
+    (["train", "--ft.replica-groups", "2", "--nproc-per-node", "3"],
+     "torsh-dist train: error: --nproc-per-node 3 is not a multiple of ft.replica_groups 2"),
+]
+
+
+@pytest.mark.parametrize(("argv", "line"), PATH_REFUSALS, ids=lambda v: "-".join(v)[:40] if isinstance(v, list) else "")
+def test_bad_paths_and_servers_are_refused_before_torch(argv: list[str], line: str, tmp_path):
+    from torsh_distributed.testing import find_free_port
+
+    fill = {"tmp": str(tmp_path), "port": str(find_free_port()), "cwd": os.getcwd()}
+    code, loaded, out, err = _run(*(a.format(**fill) for a in argv))
+    assert (code, out, err) == (2, "", line.format(**fill))
     assert loaded == [], f"torsh-dist {' '.join(argv)} imported {loaded}"
 
 

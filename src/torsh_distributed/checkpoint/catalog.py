@@ -14,7 +14,7 @@ from typing import Any
 
 from torsh_distributed.checkpoint import manifest
 
-__all__ = ["CheckpointInfo", "latest_valid", "scan", "step_dir_name"]
+__all__ = ["CheckpointInfo", "check_loadable_path", "is_step_dir", "latest_valid", "scan", "step_dir_name"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -48,14 +48,8 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def scan(directory: str | Path, *, deep: bool = True) -> list[CheckpointInfo]:
-    """Every ``step_*`` checkpoint in ``directory``, newest first, each verified.
-
-    Args:
-        directory: The checkpoint root.
-        deep: Re-hash file contents (see :func:`~torsh_distributed.checkpoint.manifest.verify`).
-    """
-    root = Path(directory)
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_*`` directory of ``root``, newest first (nothing verified)."""
     if not root.is_dir():
         return []
     found = []
@@ -63,8 +57,56 @@ def scan(directory: str | Path, *, deep: bool = True) -> list[CheckpointInfo]:
         match = _STEP_DIR.match(child.name)
         if match and child.is_dir():
             found.append((int(match.group(1)), child))
+    return sorted(found, reverse=True)
+
+
+_CHECKPOINT_FILES = (manifest.MARKER, manifest.MANIFEST, manifest.META, ".metadata")
+
+
+def is_step_dir(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint (a ``step_*`` directory or one holding a checkpoint's
+    files) rather than a run's checkpoint directory."""
+    return path.name.startswith("step_") or any((path / f).exists() for f in _CHECKPOINT_FILES)
+
+
+def check_loadable_path(path: str | Path) -> Path:
+    """The checks of a checkpoint path to load that need neither hashing nor torch (what
+    ``torsh-dist generate``, ``infer`` and ``serve`` refuse before importing torch): it exists,
+    is a directory, and is one checkpoint or a run's directory holding at least one. Returns it.
+
+    Raises:
+        FileNotFoundError: it does not exist, or holds no checkpoint (the message says why).
+        ValueError: it is a file.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"no such checkpoint directory: {root}")
+    if not root.is_dir():
+        raise ValueError(
+            f"{root} is a file, not a checkpoint directory: pass the run's --checkpoint-dir or "
+            "one of its step_XXXXXXXX directories"
+        )
+    if not is_step_dir(root) and not _step_dirs(root):
+        partial = sorted(p.name for p in root.glob(".tmp-step_*"))
+        why = (
+            f"only unfinished saves ({', '.join(partial)}): no save has committed yet"
+            if partial
+            else "it holds no step_XXXXXXXX checkpoint directories (is it the --checkpoint-dir "
+            "of a torsh-dist train run?)"
+        )
+        raise FileNotFoundError(f"no checkpoint in {root}: {why}")
+    return root
+
+
+def scan(directory: str | Path, *, deep: bool = True) -> list[CheckpointInfo]:
+    """Every ``step_*`` checkpoint in ``directory``, newest first, each verified.
+
+    Args:
+        directory: The checkpoint root.
+        deep: Re-hash file contents (see :func:`~torsh_distributed.checkpoint.manifest.verify`).
+    """
     infos = []
-    for step, path in sorted(found, reverse=True):
+    for step, path in _step_dirs(Path(directory)):
         verdict = manifest.verify(path, deep=deep)
         infos.append(
             CheckpointInfo(

@@ -301,14 +301,14 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from torsh_distributed.elastic.launch import LaunchOptions, launch
-
     _csv(args.ops, OPS, "--ops")
     _csv(args.impl, IMPLS, "--impl")
     for s in args.sizes.split(","):
         parse_size(s)
     if args.nproc < 2:
         raise ValueError(f"--nproc must be >= 2 for collectives, got {args.nproc}")
+    from torsh_distributed.elastic.launch import LaunchOptions, launch  # torch: after the checks
+
     forward = [
         "--ops",
         args.ops,

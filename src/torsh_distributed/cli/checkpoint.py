@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from torsh_distributed.checkpoint.catalog import scan  # no torch: verify and list run without it
 from torsh_distributed.checkpoint.manifest import MARKER, verify
 
 __all__ = ["register"]
@@ -54,8 +55,6 @@ def _verify(args: argparse.Namespace) -> int:
         verdict = verify(path)
         print(verdict.describe())
         return 0 if verdict.valid else 1
-    from torsh_distributed.checkpoint.manager import scan  # torch: not for --help
-
     infos = scan(path)
     if not infos:
         print(f"torsh-dist checkpoint verify: no checkpoints (step_*) in {path}", file=sys.stderr)
@@ -74,9 +73,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from torsh_distributed.checkpoint.manager import scan  # torch: not for --help
-
     path = Path(args.dir)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        print(f"torsh-dist checkpoint list: {path} {what}", file=sys.stderr)
+        return 2
     infos = scan(path, deep=not args.quick)
     if args.json:
         print(

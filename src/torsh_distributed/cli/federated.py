@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torsh_distributed._checks import factory_spec
 from torsh_distributed.federated.config import ClientConfig, FederatedConfig, TaskConfig
 from torsh_distributed.federated.privacy import PrivacyConfig
 
@@ -308,11 +309,14 @@ def check_endpoint(host_flag: str, host: str, port_flag: str, port: int) -> None
 
 
 def main(args: argparse.Namespace) -> int:
+    check_endpoint("--superlink-host", args.superlink_host, "--superlink-port", args.superlink_port)
+    config = config_from_args(args)  # bad settings are refused before torch and Flower load
+    for what in ("model", "dataset", "val_dataset", "loss"):
+        if spec := getattr(config.task, what):
+            factory_spec(spec, what=what.replace("_", "-"))  # a missing file, too
     from torsh_distributed.federated.deploy import Federation
     from torsh_distributed.federated.task import Task
 
-    check_endpoint("--superlink-host", args.superlink_host, "--superlink-port", args.superlink_port)
-    config = config_from_args(args)
     if config.user_strategy:  # import and call the factory: its errors come before any process
         from torsh_distributed.federated.strategies import build_strategy
 

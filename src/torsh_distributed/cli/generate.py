@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torsh_distributed.checkpoint.catalog import check_loadable_path
 from torsh_distributed.inference.config import DTYPE_NAMES, SamplingConfig
 
 __all__ = ["add_sampling_arguments", "sampling_from_args", "unescape", "register", "main"]
@@ -138,6 +139,8 @@ def _print(report: dict[str, Any]) -> None:
 
 def _handle(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)  # refused here, before torch is imported
+    if not (Path(args.checkpoint) / "config.json").is_file():  # a Hugging Face directory: at load
+        check_loadable_path(args.checkpoint)  # a missing or empty directory: before torch, too
     from torsh_distributed.inference.jobs import GenerateJob, plan_generate, run_generate
 
     job = plan_generate(

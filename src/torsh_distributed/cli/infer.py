@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from torsh_distributed.checkpoint.catalog import check_loadable_path
 from torsh_distributed.cli.generate import add_sampling_arguments, sampling_from_args
 
 if TYPE_CHECKING:  # torch: imported when the command runs, not for --help
@@ -87,6 +88,7 @@ def _handle(args: argparse.Namespace) -> int:
     from torsh_distributed.cli.run import options_from_args
 
     sampling = sampling_from_args(args)  # refused here, before torch is imported
+    check_loadable_path(args.checkpoint)  # a missing or empty directory: before torch, too
     from torsh_distributed.inference.batch import InferJob, plan_infer
 
     job = InferJob(

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from torsh_distributed.elastic._options import UNREACHABLE_AFTER_S, LaunchOptions
+from torsh_distributed.elastic._options import UNREACHABLE_AFTER_S, LaunchOptions, launch_target
 from torsh_distributed.elastic._warm import START_METHODS
 from torsh_distributed.runtime.errors import TorshDistributedError
 
@@ -280,6 +280,8 @@ def _handle(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             options = options_from_args(args)
+        # a missing script is refused before the forkserver below imports torch
+        launch_target(None if args.module else args.script, args.script if args.module else None, args.script_args)
         for warning in caught:
             print(f"torsh-dist run: warning: {warning.message}", file=sys.stderr)
         if options.start_method == "forkserver" and "PYTHON_EXEC" not in os.environ:

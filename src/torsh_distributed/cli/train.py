@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from torsh_distributed.cli._train_checks import check_checkpoint_paths, check_meter, check_world
 from torsh_distributed.cli._train_scale import Scaled, launch_scaled, scale_range
 from torsh_distributed.train.config import PRESETS, TrainConfig, preset
 
@@ -337,6 +338,12 @@ def user_factories(args: argparse.Namespace) -> UserFactories | None:
             "and corpus: ignored with --model",
             stacklevel=2,
         )
+    from torsh_distributed._checks import factory_spec
+    from torsh_distributed.hf import is_hf
+
+    for flag, spec in (("--model", model), *given.items()):
+        if spec and not is_hf(spec) and not (flag == "--loss" and spec == "hf"):
+            factory_spec(spec, what=flag[2:])  # a typo: refused before torch is imported
     from torsh_distributed.engine.user import UserFactories
 
     return UserFactories(
@@ -346,35 +353,6 @@ def user_factories(args: argparse.Namespace) -> UserFactories | None:
         loss=given["--loss"] or "",
         tp_plan=given["--tp-plan"] or "",
     )
-
-
-def _check_world(config: TrainConfig, world_size: int, user: UserFactories | None) -> None:
-    """The engine's checks that need only the world size (degrees, batch split, pipeline
-    schedule), before any rank starts: the same function every rank runs again."""
-    from torsh_distributed.engine._plan import plan_run
-
-    par, plan = config.parallel, None
-    if par.tp > 1:
-        if user is None:
-            from torsh_distributed.models.gpt_tp import gpt_tp_plan
-
-            plan = gpt_tp_plan(sequence_parallel=par.sequence_parallel, loss_parallel=par.pp == 1)
-        else:
-            plan = user.plan()
-    plan_run(config, world_size=world_size, tp_plan=plan)
-
-
-def _check_meter(config: TrainConfig) -> None:
-    """A meter asked for by name must be readable on this host (all ranks run here): refused
-    with the reason before any rank starts instead of on every rank after set-up."""
-    from torsh_distributed.energy.auto import open_meter
-    from torsh_distributed.energy.meters import MeterUnavailableError
-
-    energy = config.energy
-    try:
-        open_meter(energy.meter, powercap_root=energy.powercap_root, watts_per_core=energy.watts_per_core)
-    except MeterUnavailableError as exc:
-        raise ValueError(f"--energy.meter {energy.meter}: {exc}") from None
 
 
 def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
@@ -485,28 +463,38 @@ def _handle(args: argparse.Namespace) -> int:
 
     world = detect_environment(os.environ)
     inside_launch = world is not None
-    if not inside_launch and _launches(options):
+    if not inside_launch:  # before torch loads
+        check_checkpoint_paths(config, one_node=options.nnodes in ("1", "1:1"))
+    tracking = (config.monitor.tensorboard or config.monitor.mlflow) and not inside_launch
+    if tracking:
+        from torsh_distributed.monitor.tracking import precheck_tracking
+
+        precheck_tracking(config.monitor)  # an unreachable server: refused before torch loads
+    if config.ft.enabled and not inside_launch:
+        config.ft.check_nproc(options.nproc_per_node)
+    if not inside_launch and _launches(options, ft=config.ft.enabled):
         from torsh_distributed.elastic import _warm
 
         # the workers' forkserver, forked from here after `import torch` (docs/multihost.md)
         _warm.prestart(_warm.preload_for("torsh_distributed.train", ft=config.ft.enabled), fork=True)
     if user is not None and not inside_launch:
         user.check(config)  # imports and calls the factories: errors before any rank starts
-    if (config.monitor.tensorboard or config.monitor.mlflow) and not inside_launch:
+    if tracking:
         from torsh_distributed.monitor.tracking import check_tracking
 
-        check_tracking(config.monitor)  # a bad URI or directory: refused before any rank starts
+        check_tracking(config.monitor)  # a bad store or experiment: refused before any rank starts
     if config.carbon.max_intensity and not inside_launch:
         config.carbon.shift_policy().check(time.time())  # a series or deadline already past
     if world is not None:
-        _check_world(config, world.world_size, user)
+        check_world(config, world.world_size, user)
     if not inside_launch and config.energy.meter in ("rapl", "nvml") and options.nnodes in ("1", "1:1"):
-        _check_meter(config)
+        check_meter(config)
     elif scaled is None and ":" not in options.nnodes:  # a fixed world: check what depends on its size
-        _check_world(config, options.nproc_per_node * int(options.nnodes), user)
+        check_world(config, options.nproc_per_node * int(options.nnodes), user)
     if scaled is not None and not inside_launch:
-        return launch_scaled(config, user, options, scaled, check_world=_check_world)
-    if inside_launch or (options.nproc_per_node == 1 and options.nnodes in ("1", "1:1")):
+        return launch_scaled(config, user, options, scaled, check_world=check_world)
+    alone = options.nproc_per_node == 1 and options.nnodes in ("1", "1:1") and not config.ft.enabled
+    if inside_launch or alone:
         return _train_here(config, user)
     if config.ft.enabled:  # replica groups: only a dead rank's group restarts
         from torsh_distributed.ft.launch import launch_groups
@@ -527,9 +515,10 @@ def _handle(args: argparse.Namespace) -> int:
     )
 
 
-def _launches(options: LaunchOptions) -> bool:
-    """Whether this command starts workers that fork from a warm forkserver."""
-    several = options.nproc_per_node > 1 or options.nnodes not in ("1", "1:1")
+def _launches(options: LaunchOptions, *, ft: bool) -> bool:
+    """Whether this command starts workers that fork from a warm forkserver (``ft``: replica
+    groups, each started by the launcher even when it has one rank)."""
+    several = ft or options.nproc_per_node > 1 or options.nnodes not in ("1", "1:1")
     return several and options.start_method == "forkserver" and "PYTHON_EXEC" not in os.environ
 
 

@@ -6,15 +6,16 @@ and neither imports the other.
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torsh_distributed.elastic._warm import check_start_method
 
 __all__ = [
     "LaunchOptions", "parse_nnodes", "RDZV_BACKENDS", "RDZV_CONF_KEYS", "DEFAULT_C10D_PORT",
-    "UNREACHABLE_AFTER_S",
+    "UNREACHABLE_AFTER_S", "launch_target",
 ]
 
 RDZV_BACKENDS = ("c10d", "static")
@@ -29,6 +30,29 @@ RDZV_CONF_KEYS = (
 DEFAULT_C10D_PORT = 29400
 UNREACHABLE_AFTER_S = 10.0
 """Default of :attr:`LaunchOptions.master_timeout`."""
+
+
+def launch_target(script: str | None, module: str | None, args: Sequence[str]) -> list[str]:
+    """The interpreter arguments that start ``script`` or ``module`` (``["--", script]`` or
+    ``["-m", module]``), checked without importing torch: the CLI refuses a missing script before
+    its launch imports anything.
+
+    Raises:
+        TypeError / ValueError: both or neither of ``script`` and ``module``, ``args`` not strings,
+            a script that is not a file, a module name that is not one.
+    """
+    if (script is None) == (module is None):
+        raise ValueError("pass exactly one of script= (a .py file) and module= (like python -m)")
+    if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
+        raise TypeError(f"args must be a sequence of str, got {args!r}")
+    if script is not None:
+        if not os.path.isfile(script):
+            raise ValueError(f"script {script!r} is not a file (working directory {os.getcwd()})")
+        return ["--", script]
+    assert module is not None
+    if not module or module.startswith("-"):
+        raise ValueError(f"module must be a module name like 'pkg.train', got {module!r}")
+    return ["-m", module]
 
 
 def parse_nnodes(nnodes: str) -> tuple[int, int]:

@@ -67,6 +67,7 @@ from torsh_distributed.elastic._options import (
     RDZV_CONF_KEYS,
     UNREACHABLE_AFTER_S,
     LaunchOptions,
+    launch_target,
     parse_nnodes,
 )
 from torsh_distributed.elastic._rendezvous import LOCAL_BACKEND as _LOCAL_BACKEND
@@ -275,19 +276,7 @@ def launch(
     """
     if not isinstance(options, LaunchOptions):
         raise TypeError(f"options must be a LaunchOptions, got {type(options).__name__}")
-    if (script is None) == (module is None):
-        raise ValueError("pass exactly one of script= (a .py file) and module= (like python -m)")
-    if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
-        raise TypeError(f"args must be a sequence of str, got {args!r}")
-    if script is not None:
-        if not os.path.isfile(script):
-            raise ValueError(f"script {script!r} is not a file (working directory {os.getcwd()})")
-        target = ["--", script]
-    else:
-        assert module is not None
-        if not module or module.startswith("-"):
-            raise ValueError(f"module must be a module name like 'pkg.train', got {module!r}")
-        target = ["-m", module]
+    target = launch_target(script, module, args)
 
     plan = _plan(options)
     _check_network(options, plan)

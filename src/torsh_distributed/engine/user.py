@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from torsh_distributed._checks import factory_spec, is_file_module
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.engine import Engine
 from torsh_distributed.parallel.parallelize import check_init_coverage
@@ -49,14 +50,10 @@ def load_object(spec: str, *, what: str) -> Any:
     Raises:
         ValueError: a malformed spec, a module that cannot be imported, a missing name.
     """
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--{what} must be MODULE:FUNCTION (e.g. mypkg.nets:make_net), got {spec!r}")
+    module_name, attr = factory_spec(spec, what=what)
     try:
-        if module_name.endswith(".py") or os.sep in module_name:
+        if is_file_module(module_name):
             path = Path(module_name)
-            if not path.is_file():
-                raise FileNotFoundError(f"no such file {path}")
             digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
             name = f"_torsh_user_{path.stem}_{digest}"  # two files of one name stay apart
             module = sys.modules.get(name)

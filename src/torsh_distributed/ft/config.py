@@ -76,3 +76,10 @@ class FTConfig:
     @property
     def enabled(self) -> bool:
         return self.replica_groups > 1
+
+    def check_nproc(self, nproc: int) -> None:
+        """``ValueError`` unless ``nproc`` ranks split into :attr:`replica_groups` equal groups."""
+        if nproc % self.replica_groups:
+            raise ValueError(
+                f"--nproc-per-node {nproc} is not a multiple of ft.replica_groups {self.replica_groups}"
+            )

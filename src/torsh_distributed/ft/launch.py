@@ -175,10 +175,7 @@ def launch_groups(
     from torch.distributed import TCPStore
 
     groups_n = section.replica_groups
-    if nproc % groups_n:
-        raise ValueError(
-            f"--nproc-per-node {nproc} is not a multiple of ft.replica_groups {groups_n}"
-        )
+    section.check_nproc(nproc)
     say = write or (lambda text: print(text, flush=True))
     size = nproc // groups_n
     base = dict(os.environ if env is None else env)

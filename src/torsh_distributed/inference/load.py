@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torsh_distributed.checkpoint import manifest
 from torsh_distributed.checkpoint._safe import SafeFileSystemReader
+from torsh_distributed.checkpoint.catalog import check_loadable_path, is_step_dir
 from torsh_distributed.checkpoint.manager import latest_valid
 from torsh_distributed.models.config import (
     GPT_KIND,
@@ -65,7 +66,6 @@ __all__ = ["LoadInfo", "find_checkpoint", "read_gpt_config", "load_gpt", "load_m
 
 _PREFIX = "model."  # the manager saves {"model": ..., "optim": ...}
 _QKV = re.compile(r"(?:.+\.)?blocks\.[^.]+\.attn\.qkv\.(?:weight|bias)\Z")
-_CHECKPOINT_FILES = (manifest.MARKER, manifest.MANIFEST, manifest.META, ".metadata")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,20 +101,9 @@ class _Found:
         return dict(self.meta.get("extra", {}).get("model") or {})
 
 
-def _is_step_dir(path: Path) -> bool:
-    return path.name.startswith("step_") or any((path / f).exists() for f in _CHECKPOINT_FILES)
-
-
 def _find(path: str | Path) -> _Found:
-    root = Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"no such checkpoint directory: {root}")
-    if not root.is_dir():
-        raise ValueError(
-            f"{root} is a file, not a checkpoint directory: pass the run's --checkpoint-dir or "
-            "one of its step_XXXXXXXX directories"
-        )
-    if _is_step_dir(root):
+    root = check_loadable_path(path)
+    if is_step_dir(root):
         verdict = manifest.verify(root)
         if not verdict.valid:
             foreign = not (root / manifest.MANIFEST).exists() and (root / ".metadata").exists()
@@ -137,15 +126,8 @@ def _find(path: str | Path) -> _Found:
             f"no valid checkpoint in {root}: every one failed verification:\n  "
             + "\n  ".join(skipped)
         )
-    if best is None:
-        partial = sorted(p.name for p in root.glob(".tmp-step_*"))
-        why = (
-            f"only unfinished saves ({', '.join(partial)}): no save has committed yet"
-            if partial
-            else "it holds no step_XXXXXXXX checkpoint directories (is it the --checkpoint-dir "
-            "of a torsh-dist train run?)"
-        )
-        raise FileNotFoundError(f"no checkpoint in {root}: {why}")
+    if best is None:  # the directory changed since check_loadable_path
+        raise FileNotFoundError(f"no checkpoint in {root}: its step_XXXXXXXX directories are gone")
     for line in skipped:
         warnings.warn(f"skipping checkpoint {line}", stacklevel=3)
     assert best.meta is not None

@@ -45,6 +45,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torsh_distributed._checks import check_writable_dir
+
 if TYPE_CHECKING:
     from torsh_distributed.monitor.anomaly import Anomaly
     from torsh_distributed.monitor.config import MonitorConfig
@@ -405,16 +407,6 @@ def _artifact_root(tracking_uri: str) -> str | None:
     return (Path(tracking_uri[len(prefix):]).resolve().parent / "mlartifacts").as_uri()
 
 
-def check_writable_dir(path: Path, what: str) -> None:
-    """Create ``path`` and check that files can be written there (``ValueError`` otherwise)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{what} {str(path)!r} cannot be created: {exc.strerror or exc}") from None
-    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {str(path)!r} is not a writable directory")
-
-
 def tensorboard_dir(config: MonitorConfig) -> Path:
     """Where ``config``'s TensorBoard events go: ``tensorboard/run_name`` or ``tensorboard``."""
     base = Path(config.tensorboard)
@@ -436,6 +428,48 @@ def check_tracking(config: MonitorConfig) -> None:
             open_mlflow(config.mlflow, config.experiment)
         except ValueError as exc:
             raise ValueError(f"--mlflow: {exc}") from None
+
+
+def precheck_tracking(config: MonitorConfig) -> None:
+    """The checks of :func:`check_tracking` that import nothing and start no thread: the
+    TensorBoard directory is writable, an ``http(s)`` MLflow server accepts a connection.
+    ``torsh-dist train`` runs them before it imports torch, :func:`check_tracking` after (MLflow's
+    client starts threads, and the command forks its workers' forkserver from a process without).
+
+    Raises:
+        ValueError: an unwritable directory or an unreachable tracking server.
+    """
+    if config.tensorboard:
+        check_writable_dir(tensorboard_dir(config), "--tensorboard")
+    if config.mlflow:
+        try:
+            _connectable(config.mlflow)
+        except ValueError as exc:
+            raise ValueError(f"--mlflow: {exc}") from None
+
+
+def _connectable(tracking_uri: str) -> None:
+    """For an ``http(s)://`` tracking URI: a TCP connection to its host and port opens within
+    5 s (``ValueError`` with the reason otherwise). MLflow itself takes seconds to import and
+    retries a refused connection with back-off; this answers a mistyped port at once."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    import socket
+
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:  # a port that is not a number
+        raise ValueError(f"MLflow tracking URI {tracking_uri!r} is not usable: {exc}") from None
+    try:
+        socket.create_connection((parts.hostname, port), timeout=5).close()
+    except OSError as exc:
+        raise ValueError(
+            f"MLflow tracking URI {tracking_uri!r} is not usable: cannot connect to "
+            f"{parts.hostname}:{port}: {exc.strerror or exc}"
+        ) from None
 
 
 def build_trackers(config: MonitorConfig) -> list[TensorBoardSink | MLflowSink]:

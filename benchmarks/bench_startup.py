@@ -13,7 +13,9 @@ Measured per round, the variants taking turns (before, after, then after, before
 round, so neither always runs on a warmer cache):
 
 * the wall time of ``torsh-dist --help``, ``torsh-dist train --help`` and the refusal
-  ``torsh-dist train --nproc-per-node 0`` (the console script, as a user types it);
+  ``torsh-dist train --nproc-per-node 0`` (the console script, as a user types it); with
+  ``--refusals`` also of bad paths (a missing script, checkpoint directory or factory file), an
+  MLflow server that is not listening and a bad federated setting;
 * launch to the first training step of ``torsh-dist train --nproc-per-node 2 --preset tiny
   --max-steps 5``: ``time.time()`` just before the launch to the trainer's ``first_step_unix_s``
   (``--summary-json``; the end of step 1 on rank 0), the whole command's wall time, and its CPU
@@ -49,6 +51,18 @@ CLI_CASES: dict[str, list[str]] = {
     "torsh-dist --help": ["--help"],
     "torsh-dist train --help": ["train", "--help"],
     "torsh-dist train --nproc-per-node 0": ["train", "--nproc-per-node", "0"],
+}
+# --refusals: bad paths and an unreachable server, refused after `import torch` before the
+# twenty-second session ({port}: a closed port, drawn per invocation)
+REFUSALS: dict[str, list[str]] = {
+    "torsh-dist run no_such_script.py": ["run", "no_such_script.py"],
+    "torsh-dist generate --checkpoint /nonexistent --prompt a": [
+        "generate", "--checkpoint", "/nonexistent", "--prompt", "a"],
+    "torsh-dist train --model nets.py:make --dataset nets.py:data": [
+        "train", "--model", "nets.py:make", "--dataset", "nets.py:data"],
+    "torsh-dist train --nproc-per-node 2 --mlflow http://127.0.0.1:CLOSED": [
+        "train", "--nproc-per-node", "2", "--mlflow", "http://127.0.0.1:{port}"],
+    "torsh-dist federated --clients 0": ["federated", "--clients", "0"],
 }
 TRAIN = ["train", "--nproc-per-node", "2", "--preset", "tiny", "--max-steps", "5"]
 _DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -138,7 +152,14 @@ def main() -> None:
     parser.add_argument("--start-methods", metavar="M,M",
                         help="compare worker start methods (e.g. spawn,forkserver) instead of trees")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the training run")
+    parser.add_argument("--refusals", action="store_true",
+                        help="also time refusals of bad paths and of an unreachable MLflow server")
     args = parser.parse_args()
+    if args.refusals:
+        from torsh_distributed.testing import find_free_port
+
+        port = str(find_free_port())
+        CLI_CASES.update({k: [a.replace("{port}", port) for a in v] for k, v in REFUSALS.items()})
     TRAIN[TRAIN.index("--nproc-per-node") + 1] = str(args.nproc)
     variants = {"after": _env(None)}
     extra: dict[str, list[str]] = {"after": []}

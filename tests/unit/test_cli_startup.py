@@ -127,6 +127,16 @@ PATH_REFUSALS = [
      "checkpoint's path)"),
     (["train", "--ft.replica-groups", "2", "--nproc-per-node", "3"],
      "torsh-dist train: error: --nproc-per-node 3 is not a multiple of ft.replica_groups 2"),
+    (["serve", "--checkpoint", MISSING, "--port", "8000"],
+     f"torsh-dist serve: error: no such checkpoint directory: {MISSING}"),
+    (["serve", "--checkpoint", "{tmp}", "--port", "8000", "--host", "0.0.0.0"],
+     "torsh-dist serve: error: server.host '0.0.0.0' is not a loopback address: other machines could "
+     "send requests, so a token is required (--token-env VAR or --token-file FILE); bind 127.0.0.1 to "
+     "serve this machine only"),
+    (["horovodrun", "-np", "2", "python", "no_such_script.py"],
+     "torsh-dist horovodrun: error: script 'no_such_script.py' is not a file (working directory {cwd})"),
+    (["federated-node", "--superlink", "127.0.0.1:{port}", "--partition-id", "5", "--num-partitions", "2"],
+     "torsh-dist federated-node: error: --partition-id 5 is not in [0, 2)"),
 ]
 
 

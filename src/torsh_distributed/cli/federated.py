@@ -276,7 +276,7 @@ def _is_ip(text: str) -> bool:
 
 
 def _token(args: argparse.Namespace) -> str:
-    from torsh_distributed.inference.serve import read_token
+    from torsh_distributed.inference._server_config import read_token
 
     return read_token(env=args.token_env, file=args.token_file) or ""
 

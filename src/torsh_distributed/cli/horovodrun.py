@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 
 from torsh_distributed.compat.horovod._runner import plan_horovodrun
+from torsh_distributed.elastic._options import launch_target
 from torsh_distributed.runtime.errors import TorshDistributedError
 
 __all__ = ["register"]
@@ -92,6 +93,7 @@ def _handle(args: argparse.Namespace) -> int:
                 ignored=ignored,
                 elastic_dir=elastic_dir,
             )
+            launch_target(plan.script, plan.module, plan.args)  # a missing script: before torch
         except (ValueError, FileNotFoundError) as exc:
             print(f"torsh-dist horovodrun: error: {exc}", file=sys.stderr)
             return 2

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torsh_distributed.checkpoint.catalog import check_loadable_path
+
 __all__ = ["register", "main"]
 
 _EPILOG = """\
@@ -210,8 +212,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from torsh_distributed.inference.serve import read_token
-    from torsh_distributed.inference.server import ServerConfig
+    from torsh_distributed.inference._server_config import ServerConfig, read_token
 
     path = Path(args.checkpoint)
     if path.name.startswith("step_"):  # one step of a run: the run's name
@@ -254,16 +255,13 @@ def _handle(args: argparse.Namespace) -> int:
         raise ValueError(
             f"torsh-dist serve needs {' and '.join(missing)}: pip install 'torsh-distributed[serve]'"
         )
-    # load the modules first: recording every warning while they import would print any
-    # import-time deprecation of torch's as if it were about these settings
-    import torsh_distributed.inference.serve  # noqa: F401
-    import torsh_distributed.inference.server  # noqa: F401
-
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # imports nothing heavy: torch comes after
         warnings.simplefilter("always")
         config = _config(args)  # refuses a public address without a token, before loading
     for warning in caught:
         print(f"torsh-dist serve: warning: {warning.message}", file=sys.stderr)
+    if not (Path(args.checkpoint) / "config.json").is_file():  # a Hugging Face directory: at load
+        check_loadable_path(args.checkpoint)  # a missing or empty directory: before torch, too
     if args.tp == 1:
         return _run_here(args, config)
     from torsh_distributed.inference.serve import check_checkpoint

@@ -6,11 +6,14 @@ a bad setting before anything loads). Re-exported by :mod:`~torsh_distributed.in
 from __future__ import annotations
 
 import ipaddress
+import os
+import stat
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-__all__ = ["MIN_TOKEN_LENGTH", "SCHEDULERS", "ServerConfig", "is_loopback"]
+__all__ = ["MIN_TOKEN_LENGTH", "SCHEDULERS", "ServerConfig", "is_loopback", "read_token"]
 
 MIN_TOKEN_LENGTH = 16
 SCHEDULERS = ("continuous", "static")
@@ -159,3 +162,33 @@ class ServerConfig:
                 "--tls-cert FILE --tls-key FILE, or --insecure to serve plain HTTP anyway (behind "
                 "a TLS-terminating proxy or on a trusted network)"
             )
+
+
+def read_token(*, env: str | None = None, file: str | os.PathLike[str] | None = None) -> str | None:
+    """The server token from the environment variable ``env`` or the file ``file`` (its first
+    line, surrounding whitespace removed); ``None`` when neither is given.
+
+    Raises:
+        ValueError: both given; the variable is unset or empty; the file is empty.
+        FileNotFoundError: the file does not exist.
+    """
+    if env and file:
+        raise ValueError("give the token one way: --token-env VAR or --token-file FILE, not both")
+    if env:
+        value = os.environ.get(env, "").strip()
+        if not value:
+            raise ValueError(f"--token-env {env}: the environment variable {env} is unset or empty")
+        return value
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--token-file {path}: no such file")
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            warnings.warn(
+                f"--token-file {path} is readable by other users (chmod 600 it)", stacklevel=2
+            )
+        lines = path.read_text(encoding="utf-8").strip().splitlines()
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--token-file {path} is empty")
+        return lines[0].strip()
+    return None

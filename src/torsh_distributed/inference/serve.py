@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from torsh_distributed.inference._server_config import read_token
 from torsh_distributed.inference.chat import PYTHON_COMMENTS, ChatTemplate
 from torsh_distributed.inference.generate import TextGenerator
 from torsh_distributed.inference.load import find_checkpoint, load_gpt, read_gpt_config
@@ -38,36 +37,6 @@ __all__ = ["GRACE_S", "read_token", "check_checkpoint", "serve_checkpoint"]
 
 GRACE_S = 10.0
 """Seconds a signalled non-serving rank waits for the serving rank's ``stop``."""
-
-
-def read_token(*, env: str | None = None, file: str | os.PathLike[str] | None = None) -> str | None:
-    """The server token from the environment variable ``env`` or the file ``file`` (its first
-    line, surrounding whitespace removed); ``None`` when neither is given.
-
-    Raises:
-        ValueError: both given; the variable is unset or empty; the file is empty.
-        FileNotFoundError: the file does not exist.
-    """
-    if env and file:
-        raise ValueError("give the token one way: --token-env VAR or --token-file FILE, not both")
-    if env:
-        value = os.environ.get(env, "").strip()
-        if not value:
-            raise ValueError(f"--token-env {env}: the environment variable {env} is unset or empty")
-        return value
-    if file:
-        path = Path(file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--token-file {path}: no such file")
-        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            warnings.warn(
-                f"--token-file {path} is readable by other users (chmod 600 it)", stacklevel=2
-            )
-        lines = path.read_text(encoding="utf-8").strip().splitlines()
-        if not lines or not lines[0].strip():
-            raise ValueError(f"--token-file {path} is empty")
-        return lines[0].strip()
-    return None
 
 
 def check_checkpoint(checkpoint: str | os.PathLike[str], *, tp: int) -> Path:

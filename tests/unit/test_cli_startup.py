@@ -127,6 +127,10 @@ PATH_REFUSALS = [
      "checkpoint's path)"),
     (["train", "--ft.replica-groups", "2", "--nproc-per-node", "3"],
      "torsh-dist train: error: --nproc-per-node 3 is not a multiple of ft.replica_groups 2"),
+    (["train", "--model", f"hf:{MISSING}", "--dataset", "hf:{tmp}/text.txt"],
+     f"torsh-dist train: error: --model hf:{MISSING}: not a save_pretrained directory (with "
+     "config.json) or a config.json file; models are not downloaded here: save a Hub model first "
+     "(huggingface-cli download NAME --local-dir DIR) and pass hf:DIR"),
     (["serve", "--checkpoint", MISSING, "--port", "8000"],
      f"torsh-dist serve: error: no such checkpoint directory: {MISSING}"),
     (["serve", "--checkpoint", "{tmp}", "--port", "8000", "--host", "0.0.0.0"],

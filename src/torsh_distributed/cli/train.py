@@ -339,8 +339,10 @@ def user_factories(args: argparse.Namespace) -> UserFactories | None:
             stacklevel=2,
         )
     from torsh_distributed._checks import factory_spec
-    from torsh_distributed.hf import is_hf
+    from torsh_distributed.hf import is_hf, model_files
 
+    if is_hf(model):
+        model_files(model)  # a missing directory: refused before torch is imported
     for flag, spec in (("--model", model), *given.items()):
         if spec and not is_hf(spec) and not (flag == "--loss" and spec == "hf"):
             factory_spec(spec, what=flag[2:])  # a typo: refused before torch is imported

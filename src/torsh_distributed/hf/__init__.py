@@ -16,7 +16,9 @@ functions: nothing here loads them until a run asks for ``hf:``. See ``docs/hugg
 
 from __future__ import annotations
 
-__all__ = ["PREFIX", "is_hf"]
+from pathlib import Path
+
+__all__ = ["PREFIX", "is_hf", "model_files"]
 
 PREFIX = "hf:"
 """What marks a ``--model`` / ``--dataset`` / ``--val-dataset`` value as a Hugging Face input."""
@@ -25,3 +27,22 @@ PREFIX = "hf:"
 def is_hf(spec: str) -> bool:
     """Whether a factory spec names a Hugging Face input (``hf:PATH``)."""
     return spec.startswith(PREFIX)
+
+
+def model_files(spec: str) -> tuple[Path, Path]:
+    """``(directory, config.json)`` of ``--model hf:PATH`` (``PATH`` a ``save_pretrained``
+    directory or a ``.json`` config), found without importing ``transformers`` or torch.
+
+    Raises:
+        ValueError: ``PATH`` is neither (models are not downloaded here).
+    """
+    path = Path(spec[len(PREFIX):] if spec.startswith(PREFIX) else spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        return path.parent, path
+    raise ValueError(
+        f"--model {spec}: not a save_pretrained directory (with config.json) or a "
+        "config.json file; models are not downloaded here: save a Hub model first "
+        "(huggingface-cli download NAME --local-dir DIR) and pass hf:DIR"
+    )

@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from torsh_distributed.hf import PREFIX
+from torsh_distributed.hf import model_files
 from torsh_distributed.parallel.blocks import CONTAINERS, block_entries
 from torsh_distributed.parallel.tp_plan import TPPlan
 
@@ -242,18 +242,7 @@ class HFCausalLM:
     """
 
     def __init__(self, spec: str) -> None:
-        text = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
-        path = Path(text).expanduser()
-        if path.is_dir() and (path / "config.json").is_file():
-            directory, config_file = path, path / "config.json"
-        elif path.is_file() and path.suffix == ".json":
-            directory, config_file = path.parent, path
-        else:
-            raise ValueError(
-                f"--model {spec}: not a save_pretrained directory (with config.json) or a "
-                "config.json file; models are not downloaded here: save a Hub model first "
-                "(huggingface-cli download NAME --local-dir DIR) and pass hf:DIR"
-            )
+        directory, config_file = model_files(spec)
         self.spec, self.directory, self.config_file = spec, directory.resolve(), config_file.resolve()
         try:
             data = json.loads(config_file.read_text())

@@ -48,17 +48,19 @@ def check_writable_dir(path: Path, what: str) -> None:
 
 
 def check_creatable_dir(path: Path, what: str) -> None:
-    """Check, creating nothing, that ``path`` is a writable directory or could be created as one:
-    its nearest existing ancestor is a directory this process can write into (``ValueError``
-    naming ``what`` otherwise). A refused command leaves no empty directory behind."""
+    """Check that ``path`` is a writable directory or can be created as one (``ValueError``
+    naming ``what`` otherwise), leaving nothing behind: directories this check creates to find
+    out are removed again, so a refused command leaves no empty directory."""
     if path.exists():
         if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"{what} {str(path)!r} is not a writable directory")
         return
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{what} {str(path)!r} cannot be created: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {str(path)!r} cannot be created: {parent} is not writable")
+    missing = [path]
+    while not missing[-1].parent.exists() and missing[-1].parent != missing[-1]:
+        missing.append(missing[-1].parent)
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise ValueError(f"{what} {str(path)!r} cannot be created: {exc.strerror or exc}") from None
+    for created in missing:  # the leaf first
+        created.rmdir()

@@ -121,7 +121,7 @@ PATH_REFUSALS = [
      "torsh-dist train: error: --mlflow: MLflow tracking URI 'http://127.0.0.1:{port}' is not usable: "
      "cannot connect to 127.0.0.1:{port}: Connection refused"),
     (["train", "--checkpoint-dir", "/dev/null/ckpt"],
-     "torsh-dist train: error: --checkpoint-dir '/dev/null/ckpt' cannot be created: /dev/null is not a directory"),
+     "torsh-dist train: error: --checkpoint-dir '/dev/null/ckpt' cannot be created: Not a directory"),
     (["train", "--resume", "always"],
      "torsh-dist train: error: --resume always: no such checkpoint directory (give auto, never, or a "
      "checkpoint's path)"),

@@ -421,8 +421,7 @@ def check_tracking(config: MonitorConfig) -> None:
     Raises:
         ValueError: an unwritable directory or an unusable tracking URI.
     """
-    if config.tensorboard:
-        check_writable_dir(tensorboard_dir(config), "--tensorboard")
+    precheck_tracking(config)
     if config.mlflow:
         try:
             open_mlflow(config.mlflow, config.experiment)

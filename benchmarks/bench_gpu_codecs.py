@@ -6,8 +6,12 @@ For each method: compress then decompress one flat fp32 tensor of ``--numel`` en
 rank). GPU: ``--repeats`` timed round trips after one warm-up, each between two
 ``torch.cuda.synchronize()``; the median is kept. CPU: one warm-up and one timed round trip at
 the same size (``--cpu-numel`` to shrink it, ``--no-cpu`` to skip; ``--threads`` intra-op
-threads). Random draws of the stochastic methods come from CPU generators on both sides (the
-codes agree across devices), so their GPU time includes the draw and its copy::
+threads). The stochastic methods draw on the data's device (CUDA's generator on the GPU).
+
+Two rows replay the code before the twenty-third session's change, side by side in the same run:
+``METHOD@cpu-draws`` draws on the CPU generator and copies the draws to the GPU (what
+``natural``, ``ternary`` and stochastic ``int8`` did), ``zero-int8@scatter`` takes the blocks'
+maxima with the atomic ``scatter_reduce`` instead of reshaped views::
 
     python benchmarks/bench_gpu_codecs.py --json bench-codecs.json
 """
@@ -29,7 +33,7 @@ METHODS = ("fp16,bf16,int8,natural,bimodal,topk:0.01,randomk:0.01,threshold:0.01
 def _codec(method: str, numel: int) -> Callable:
     import torch
 
-    if method == "zero-int8":
+    if method in ("zero-int8", "zero-int8@scatter"):
         from torsh_distributed.parallel._quantized_zero import (
             block_dequantize,
             block_ids,
@@ -38,10 +42,11 @@ def _codec(method: str, numel: int) -> Callable:
 
         ids, num = block_ids([numel], 256)
         cache: dict = {}
+        layout = {} if method.endswith("@scatter") else {"sizes": [numel], "block": 256}
 
         def zero(x: torch.Tensor) -> torch.Tensor:
             i = cache.setdefault(x.device, ids.to(x.device))
-            codes, scale = block_quantize(x.view(1, -1), i, num)
+            codes, scale = block_quantize(x.view(1, -1), i, num, **layout)
             return block_dequantize(codes, scale, i)
 
         return zero
@@ -57,7 +62,12 @@ def _codec(method: str, numel: int) -> Callable:
         return onebit
     from torsh_distributed.compression.build import build_compressor
 
+    method, _, variant = method.partition("@")
     comp = build_compressor(method, error_feedback=False)
+    if variant == "cpu-draws":  # the earlier code: every draw on the CPU, copied to the data
+        stream = comp.stream  # type: ignore[attr-defined]
+        cpu_next = stream.next
+        stream.next = lambda key, device=None: cpu_next(key)
     kwargs = {"shapes": [torch.Size([1024, numel // 1024])]} if method.startswith("powersgd") else {}
 
     def round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=1 << 24, help="entries (multiple of 1024)")
     parser.add_argument("--cpu-numel", type=int, default=0, help="CPU size (0 = --numel)")
-    parser.add_argument("--methods", default=METHODS + ",zero-int8,onebit")
+    parser.add_argument(
+        "--methods",
+        default=METHODS + ",zero-int8,onebit,natural@cpu-draws,ternary@cpu-draws,zero-int8@scatter",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0 = torch's)")
     parser.add_argument("--no-cpu", action="store_true")

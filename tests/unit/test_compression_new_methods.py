@@ -310,3 +310,19 @@ def test_block_quantiser_keeps_blocks_inside_parameters():
     flat_ids, flat_blocks = block_ids([308], 256)  # blocks over the flat buffer: much worse
     z = block_dequantize(*block_quantize(x, flat_ids, flat_blocks), flat_ids)
     assert float((z[0, 3:256] - small[:253]).abs().max()) > 10 * float((y[0, 3:256] - small[:253]).abs().max())
+
+
+@pytest.mark.parametrize("sizes", [[3, 300, 5], [0, 256, 0, 257, 1], [512], [255]])
+def test_block_amax_by_views_equals_the_scatter(sizes: list[int]):
+    """The quantised collectives pass the segment sizes: their maxima come from reshaped views,
+    and must be exactly the atomic scatter's (codes and scales bit-identical)."""
+    from torsh_distributed.parallel._quantized_zero import block_ids, block_quantize
+
+    ids, num_blocks = block_ids(sizes, 256)
+    g = torch.Generator().manual_seed(sum(sizes))
+    x = torch.randn(3, sum(sizes), generator=g) * torch.rand(3, 1, generator=g)
+    x[1, : min(4, x.shape[1])] = 0.0
+    scatter = block_quantize(x, ids, num_blocks)
+    views = block_quantize(x, ids, num_blocks, sizes=sizes, block=256)
+    assert views[1].shape == (3, num_blocks)
+    assert torch.equal(views[0], scatter[0]) and torch.equal(views[1], scatter[1])

@@ -40,13 +40,15 @@ def natural_round(
     bits = x.float().contiguous().view(torch.int32)
     biased = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
-    draws = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32)
-    up = draws.to(x.device) < mantissa  # drawn on the CPU stream: the same codes on any device
+    draws = torch.randint(
+        0, 1 << 23, x.shape, generator=generator, dtype=torch.int32, device=generator.device
+    )
+    up = draws.to(x.device) < mantissa  # drawn on the bucket's device where it has a generator
     exponent = biased - 127 + up.to(torch.int32)
     denormal = (biased == 0) & (mantissa != 0)
     if bool(denormal.any()):
         m, e = torch.frexp(x.float()[denormal].abs())  # |x| = m 2^e, m in [0.5, 1)
-        u = torch.rand(m.shape, generator=generator).to(x.device)
+        u = torch.rand(m.shape, generator=generator, device=generator.device).to(x.device)
         exponent[denormal] = e.to(torch.int32) - 1 + (u < 2.0 * m - 1.0).to(torch.int32)
     return bits < 0, exponent
 
@@ -69,7 +71,7 @@ class Natural(Compressor):
 
     def compress(self, tensor: torch.Tensor, *, key: int = 0) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1)
-        g = self.stream.next(key)
+        g = self.stream.next(key, flat.device)
         negative, exponent = natural_round(flat, g)
         nonzero = flat != 0
         # zeros read as exponent -127, below every normal entry's: the max is the largest
@@ -82,7 +84,7 @@ class Natural(Compressor):
         if bool(low.any()):
             smallest = torch.ldexp(flat.new_ones((), dtype=torch.float32),
                                    torch.tensor(base + 1, device=flat.device))
-            u = torch.rand(flat.shape, generator=g).to(flat.device)
+            u = torch.rand(flat.shape, generator=g, device=g.device).to(flat.device)
             keep = u < flat.abs() / smallest
             code = torch.where(low, keep.to(torch.int32), code)
         code = torch.where(nonzero, code, torch.zeros_like(code))

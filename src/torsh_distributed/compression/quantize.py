@@ -67,8 +67,9 @@ class Int8(Compressor):
         scale = (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny).reshape(1).float()
         scaled = tensor / scale
         if self.stochastic:
-            noise = torch.rand(tensor.shape, generator=self.stream.next(key), dtype=tensor.dtype)
-            noise = noise.to(tensor.device)  # drawn on the CPU stream: the same codes on any device
+            g = self.stream.next(key, tensor.device)
+            noise = torch.rand(tensor.shape, generator=g, dtype=tensor.dtype, device=g.device)
+            noise = noise.to(tensor.device)  # on the tensor's device where it has a generator
             codes = torch.floor(scaled + noise)
         else:
             codes = torch.round(scaled)

@@ -107,8 +107,9 @@ class Ternary(Compressor):
                 : flat.numel()
             ]
         )
-        draws = torch.rand(flat.shape, generator=self.stream.next(key), dtype=flat.dtype)
-        keep = draws.to(flat.device) < prob  # drawn on the CPU stream: same codes on any device
+        g = self.stream.next(key, flat.device)
+        draws = torch.rand(flat.shape, generator=g, dtype=flat.dtype, device=g.device)
+        keep = draws.to(flat.device) < prob  # drawn on the bucket's device where it has a generator
         codes = keep.to(torch.uint8) * torch.where(flat >= 0, 1, 2).to(torch.uint8)
         return [pack(codes, 2), s], (flat.numel(), flat.dtype)
 

@@ -49,6 +49,7 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "block_dequantize",
+    "block_amax",
     "block_ids",
     "block_quantize",
     "quantize_collectives",
@@ -99,16 +100,44 @@ def block_ids(sizes: Sequence[int], block: int) -> tuple[torch.Tensor, int]:
     return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)), offset
 
 
+def block_amax(x: torch.Tensor, sizes: Sequence[int], block: int) -> torch.Tensor:
+    """``max |x|`` of every block of :func:`block_ids` ``(sizes, block)`` in each row of ``x``
+    (``(r, sum(sizes))``): views and reductions per segment, no scatter.
+
+    ``scatter_reduce(..., "amax")`` makes a block's 256 entries contend for one atomic on CUDA
+    (3.4 GB/s on an H200); a reshaped ``amax`` reads each entry once on any device."""
+    mag = x.abs()
+    r, parts, offset = x.shape[0], [], 0
+    for size in sizes:
+        full = size - size % block
+        if full:
+            parts.append(mag[:, offset : offset + full].reshape(r, -1, block).amax(dim=2))
+        if size > full:
+            parts.append(mag[:, offset + full : offset + size].amax(dim=1, keepdim=True))
+        offset += size
+    return torch.cat(parts, dim=1) if parts else mag.new_zeros(r, 0)
+
+
 def block_quantize(
-    rows: torch.Tensor, ids: torch.Tensor, num_blocks: int
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    num_blocks: int,
+    *,
+    sizes: Sequence[int] | None = None,
+    block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Int8 codes ``(r, n)`` and fp32 scales ``(r, num_blocks)`` (``max |x| / 127`` per block) of
-    each row of ``rows`` (``(r, n)``; entry ``j`` is in block ``ids[j]``)."""
+    each row of ``rows`` (``(r, n)``; entry ``j`` is in block ``ids[j]``). Given the ``sizes``
+    and ``block`` that made ``ids`` (:func:`block_ids`), the maxima come from
+    :func:`block_amax` instead of an atomic scatter (the same values)."""
     x = rows.float()
     ids = ids.to(x.device)
-    amax = torch.zeros(x.shape[0], num_blocks, device=x.device).scatter_reduce_(
-        1, ids.expand_as(x), x.abs(), "amax", include_self=True
-    )
+    if sizes is not None and block > 0:
+        amax = block_amax(x, sizes, block)
+    else:
+        amax = torch.zeros(x.shape[0], num_blocks, device=x.device).scatter_reduce_(
+            1, ids.expand_as(x), x.abs(), "amax", include_self=True
+        )
     scale = (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
     codes = torch.round(x / scale[:, ids]).clamp_(-127, 127).to(torch.int8)
     return codes, scale
@@ -124,15 +153,16 @@ class _Blocks:
 
     def __init__(self, sizes: Sequence[int], block: int) -> None:
         self.sizes, self.block = list(sizes), block
-        self._cache: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
+        self._cache: dict[tuple[int, str], tuple[torch.Tensor, int, list[int]]] = {}
 
-    def __call__(self, n: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        """Block ids of a buffer of ``n`` entries, on ``device`` (cached per length and device)."""
+    def __call__(self, n: int, device: torch.device) -> tuple[torch.Tensor, int, list[int]]:
+        """Block ids of a buffer of ``n`` entries on ``device``, the number of blocks and the
+        segment sizes that made them (cached per length and device)."""
         key = (n, str(device))
         if key not in self._cache:  # a buffer of another length: plain blocks over it
             sizes = self.sizes if sum(self.sizes) == n else [n]
             ids, num = block_ids(sizes, self.block)
-            self._cache[key] = (ids.to(device), num)
+            self._cache[key] = (ids.to(device), num, sizes)
         return self._cache[key]
 
 
@@ -172,8 +202,10 @@ class QuantizedAllGather(_Alloc, AllGather):
                 output_tensor, input_tensor, group=group, async_op=async_op
             )
         t0 = time.perf_counter()
-        ids, num_blocks = self.blocks(n, input_tensor.device)
-        codes, scale = block_quantize(input_tensor.view(1, n), ids, num_blocks)
+        ids, num_blocks, sizes = self.blocks(n, input_tensor.device)
+        codes, scale = block_quantize(
+            input_tensor.view(1, n), ids, num_blocks, sizes=sizes, block=self.blocks.block
+        )
         self.stats.seconds += time.perf_counter() - t0
         all_codes = torch.empty(w * codes.numel(), dtype=torch.int8, device=codes.device)
         all_scales = torch.empty(w * scale.numel(), dtype=torch.float32, device=scale.device)
@@ -219,8 +251,11 @@ class QuantizedReduceScatter(_Alloc, ReduceScatter):
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
         t0 = time.perf_counter()
-        ids, num_blocks = self.blocks(n, input_tensor.device)  # each rank's chunk: the shards of every parameter
-        codes, scale = block_quantize(input_tensor.view(w, n), ids, num_blocks)  # row r -> rank r
+        # each rank's chunk holds the shards of every parameter; row r goes to rank r
+        ids, num_blocks, sizes = self.blocks(n, input_tensor.device)
+        codes, scale = block_quantize(
+            input_tensor.view(w, n), ids, num_blocks, sizes=sizes, block=self.blocks.block
+        )
         self.stats.seconds += time.perf_counter() - t0
         recv_codes, recv_scale = torch.empty_like(codes), torch.empty_like(scale)
         dist.all_to_all_single(recv_codes, codes, group=group)

@@ -45,7 +45,9 @@ def _codec(method: str, numel: int) -> Callable:
         layout = {} if method.endswith("@scatter") else {"sizes": [numel], "block": 256}
 
         def zero(x: torch.Tensor) -> torch.Tensor:
-            i = cache.setdefault(x.device, ids.to(x.device))
+            if x.device not in cache:  # once: the collectives keep their ids on the device
+                cache[x.device] = ids.to(x.device)
+            i = cache[x.device]
             codes, scale = block_quantize(x.view(1, -1), i, num, **layout)
             return block_dequantize(codes, scale, i)
 

@@ -74,6 +74,10 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
     [
         (["train", "--nproc-per-node", "0"], "torsh-dist train: error: nproc_per_node must be >= 1, got 0"),
         (["train", "--lr", "-1"], "torsh-dist train: error: optim.lr must be > 0, got -1.0"),
+        (
+            ["train", "--lr-ref-batch", "8", "--lr-scaling", "cubic"],
+            "torsh-dist train: error: optim.lr_scaling must be one of auto, linear, sqrt, got 'cubic'",
+        ),
         (["run", "--nproc-per-node", "0", "x.py"], "torsh-dist run: error: nproc_per_node must be >= 1, got 0"),
         (
             ["generate", "--checkpoint", "runs/none", "--prompt", "a", "--top-p", "2"],
@@ -85,7 +89,8 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
             "give --mlflow URI too (TensorBoard has no experiments: use --run-name)",
         ),
     ],
-    ids=["train-nproc-0", "train-lr", "run-nproc-0", "generate-top-p", "train-experiment"],
+    ids=["train-nproc-0", "train-lr", "train-lr-scaling", "run-nproc-0", "generate-top-p",
+         "train-experiment"],
 )
 def test_refusal_is_one_line_and_imports_no_torch(argv: list[str], line: str):
     code, loaded, out, err = _run(*argv)

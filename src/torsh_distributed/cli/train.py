@@ -53,6 +53,8 @@ examples:
   torsh-dist train --nproc-per-node 4 --model mypkg.nets:transformer \\
       --dataset mypkg.data:tokens --pp 2 --pp-split layers.4 --loss mypkg.nets:loss
   torsh-dist train --nproc-per-node 4 --preset tiny --max-steps 50 --batch-size 64 --lr 2e-3
+  # lr and warm-up tuned at batch 32, run at 128: the engine scales them (sqrt for AdamW)
+  torsh-dist train --nproc-per-node 2 --preset tiny --batch-size 128 --lr-ref-batch 32
   torsh-dist train --preset small --model.n-layer 6 --summary-json runs/small.json
   torsh-dist run --nproc-per-node 2 -m torsh_distributed.train --preset tiny   # same, via run
   # a setting two sections share is named with its section (a bare --warmup-steps is refused)

@@ -15,6 +15,7 @@ from torsh_distributed.energy.tracker import METRICS, EnergyTracker
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.engine.progress import Progress
 from torsh_distributed.monitor.step import StepMonitor
+from torsh_distributed.plan.lr_scaling import LRScaling
 from torsh_distributed.runtime import world
 
 __all__ = ["announcement", "observe"]
@@ -27,6 +28,7 @@ class _Named(Protocol):
     describe: str
     tokens_per_sample: int
     settings: dict[str, Any]
+    lr_scaling: LRScaling | None
 
 
 def announcement(
@@ -40,10 +42,18 @@ def announcement(
         layout += f" x ep {dims.ep}"
     if dims.pp > 1:
         layout += f" ({par.pp_schedule}, {par.num_microbatches} micro-batches)"
-    return (
+    line = (
         f"torsh-dist {engine.name}: {num_params / 1e6:.2f}M params, world size {world_size} "
         f"({backend}) = {layout}, global batch {cfg.batch_size} ({per_dp}/dp rank){engine.describe}"
     )
+    rule = engine.lr_scaling
+    if rule is not None:  # cfg.optim holds the scaled values
+        line += (
+            f"\nlr scaling: {rule.rule} x{rule.factor:.4g} (global batch {cfg.batch_size} = "
+            f"{rule.ratio:g}x the reference): lr {cfg.optim.lr:.4g}, warm-up "
+            f"{cfg.optim.warmup_steps} steps. {rule.reason}"
+        )
+    return line
 
 
 def observe(

@@ -63,6 +63,7 @@ from torsh_distributed.parallel.tensor import (
     sync_grads,
 )
 from torsh_distributed.parallel.tp_plan import TPPlan
+from torsh_distributed.plan.lr_scaling import LRScaling
 from torsh_distributed.runtime import world
 from torsh_distributed.runtime.busy import usable_cores
 
@@ -94,6 +95,7 @@ class EngineInputs(Protocol):
     tokens_per_sample: int
     activation_bytes: Callable[[int], int] | None
     settings: dict[str, Any]
+    lr_scaling: LRScaling | None
     model_info: dict[str, Any]
     name: str
     describe: str
@@ -583,6 +585,7 @@ class Run:
             energy=energy,
             carbon=carbon,
             comm=self.schedule.summary(),
+            lr_scaling=engine.lr_scaling.to_dict() if engine.lr_scaling else {},
         )
         if self.runtime.is_main and not stopped:  # the table, --summary-json, --plot
             report_result(

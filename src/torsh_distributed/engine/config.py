@@ -15,6 +15,7 @@ from torsh_distributed.energy.config import CarbonConfig, EnergyConfig
 from torsh_distributed.ft.config import FTConfig
 from torsh_distributed.monitor.config import MonitorConfig
 from torsh_distributed.parallel.config import ParallelConfig
+from torsh_distributed.plan.lr_scaling import RULES as LR_RULES
 
 __all__ = ["EngineConfig", "OptimConfig", "ONEBIT", "OPTIMIZERS", "SCHEDULES"]
 
@@ -59,6 +60,15 @@ class OptimConfig:
     """Final learning rate as a fraction of ``lr`` at the end of the decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    lr_ref_batch: int = 0
+    """The global batch ``lr`` and ``warmup_steps`` were tuned at. When set and the run's
+    ``batch_size`` differs, the engine scales ``lr`` by ``lr_scaling``'s rule and keeps the
+    warm-up's *samples* (``warmup_steps * lr_ref_batch / batch_size`` steps, rounded up);
+    0 = take ``lr`` and ``warmup_steps`` as given."""
+    lr_scaling: str = "auto"
+    """Rule for ``lr_ref_batch``: ``auto`` (square root for AdamW and the 1-bit Adams, Malladi
+    et al. 2022; for SGD linear up to 32x the reference batch, Goyal et al. 2017, square root
+    beyond), ``linear`` or ``sqrt``."""
     freeze_step: int = 100
     """``onebit_adam``: steps of fp32 AdamW before the variance freezes and 1-bit momentum
     exchange starts (the paper warms up for 15 to 25 percent of a run). ``zerooneadam``: the last step
@@ -100,6 +110,14 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0:
             raise ValueError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+        if self.lr_ref_batch < 0:
+            raise ValueError(
+                f"optim.lr_ref_batch must be >= 0 (0 = no scaling), got {self.lr_ref_batch}"
+            )
+        if self.lr_scaling not in LR_RULES:
+            raise ValueError(
+                f"optim.lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}"
+            )
         for name in ("freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
             _positive("optim", name, getattr(self, name))
             owner = "onebit_adam or zerooneadam" if name == "freeze_step" else "zerooneadam"

@@ -50,6 +50,7 @@ from torsh_distributed.data.sampler import EpochSampler, GlobalSampler, Replacem
 from torsh_distributed.engine._ft import FTRun, train_steps
 from torsh_distributed.engine._run import EVAL_STEP_BASE, OptimizerFactory, Run, SchedulerFactory
 from torsh_distributed.engine.config import EngineConfig
+from torsh_distributed.engine.optim import scale_for_batch
 from torsh_distributed.engine.result import TrainResult
 from torsh_distributed.parallel.tp_plan import TPPlan
 from torsh_distributed.runtime import world
@@ -139,6 +140,15 @@ class Engine:
         if lr_scheduler is not None and optimizer is None:
             raise ValueError("lr_scheduler applies to a user optimizer (optimizer=...)")
         self.config = config or EngineConfig()
+        if self.config.optim.lr_ref_batch and optimizer is not None:
+            raise ValueError(
+                "optim.lr_ref_batch scales config.optim's lr and warm-up; with an optimizer "
+                "factory, scale your own lr (torsh_distributed.plan.lr_scaling gives the factor)"
+            )
+        # the lr rule for a batch other than the tuned one: the run then sees the scaled section
+        scaled, self.lr_scaling = scale_for_batch(self.config.optim, self.config.batch_size)
+        if self.lr_scaling is not None:
+            self.config = dataclasses.replace(self.config, optim=scaled)
         self.model_source = model
         self.dataset, self.val_dataset = dataset, val_dataset
         self.loss_fn = loss_fn or default_loss

@@ -7,6 +7,7 @@ matrices only, linear warm-up then cosine decay to ``min_lr_ratio``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -15,8 +16,32 @@ from torch import nn
 
 from torsh_distributed.compression.onebit import OneBitAdam, ZeroOneAdam
 from torsh_distributed.engine.config import OptimConfig
+from torsh_distributed.plan.lr_scaling import LRScaling, lr_scaling
 
-__all__ = ["build_optimizer", "lr_at"]
+__all__ = ["build_optimizer", "lr_at", "scale_for_batch"]
+
+
+def scale_for_batch(optim: OptimConfig, global_batch: int) -> tuple[OptimConfig, LRScaling | None]:
+    """``optim`` with ``lr`` and ``warmup_steps`` scaled from ``optim.lr_ref_batch`` to
+    ``global_batch`` (``lr_ref_batch`` then 0, so scaling twice changes nothing), and the rule's
+    record; ``(optim, None)`` when ``lr_ref_batch`` is 0."""
+    if not optim.lr_ref_batch:
+        return optim, None
+    rule = lr_scaling(
+        global_batch=global_batch,
+        reference_batch=optim.lr_ref_batch,
+        optimizer="sgd" if optim.optimizer == "sgd" else "adam",
+        reference_lr=optim.lr,
+        reference_warmup_steps=optim.warmup_steps,
+        rule=optim.lr_scaling,
+    )
+    scaled = dataclasses.replace(
+        optim,
+        lr=rule.lr if rule.lr is not None else optim.lr,
+        warmup_steps=rule.warmup_steps if rule.warmup_steps is not None else optim.warmup_steps,
+        lr_ref_batch=0,
+    )
+    return scaled, rule
 
 
 def lr_at(step: int, *, optim: OptimConfig, max_steps: int) -> float:

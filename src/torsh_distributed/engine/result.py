@@ -78,6 +78,9 @@ class TrainResult:
     ``seconds``, ``intensity``), ``paused_s``, ``deadline`` and ``met_deadline``. With
     ``--carbon.scale``, ``scaling``: every segment's world size, steps, joules and grams, the
     decisions and the job's totals (the blocks' other figures are the last segment's)."""
+    lr_scaling: dict = field(default_factory=dict)
+    """``optim.lr_ref_batch``'s rule: ``rule`` (``none``, ``linear``, ``sqrt``), ``ratio`` (global
+    batch / reference), ``factor``, the scaled ``lr`` and ``warmup_steps``, ``reason``; {} without."""
     ft: dict = field(default_factory=dict)
     """Fault-tolerant replica groups (``ft.replica_groups`` > 1): ``replica_groups``,
     ``failures`` (``rank``, ``group``, ``step``, ``restarted_ranks``, ``recovery_s``, ...),
@@ -106,7 +109,7 @@ def print_summary(result: TrainResult) -> None:
     compression ``none`` and zero throughput say nothing: the JSON summary keeps all of them).
     After a restart or a resume that lost steps, rows ``checkpoint restarts`` and ``checkpoint
     lost steps`` (every attempt's) and ``checkpoint resumed step`` (the last attempt's)."""
-    hidden = {"monitor", "checkpoint", "layout"}
+    hidden = {"monitor", "checkpoint", "layout", "lr_scaling"}  # announced at the start
     if result.compression.get("method", "none") == "none":
         hidden.add("compression")
     if not result.tokens_per_s:

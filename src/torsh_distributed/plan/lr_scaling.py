@@ -20,7 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-__all__ = ["LINEAR_LIMIT", "LRScaling", "lr_scaling"]
+__all__ = ["LINEAR_LIMIT", "LRScaling", "RULES", "lr_scaling"]
+
+RULES = ("auto", "linear", "sqrt")
+"""``auto`` picks by optimizer and ratio (below); ``linear`` and ``sqrt`` force one rule."""
 
 LINEAR_LIMIT = 32
 """Largest batch ratio for which the linear rule was shown to hold for SGD (Goyal et al.)."""
@@ -54,6 +57,7 @@ def lr_scaling(
     optimizer: str = "adam",
     reference_lr: float | None = None,
     reference_warmup_steps: int = 0,
+    rule: str = "auto",
 ) -> LRScaling:
     """Pick the lr scaling rule for ``global_batch`` from the batch ``reference_batch`` was tuned at.
 
@@ -64,7 +68,10 @@ def lr_scaling(
             :data:`LINEAR_LIMIT`, square root beyond).
         reference_lr: The tuned lr, to report the scaled one; ``None`` to report the factor only.
         reference_warmup_steps: Warm-up steps of the reference run (kept constant in samples).
+        rule: ``auto`` (the choice above), or ``linear`` / ``sqrt`` to force one.
     """
+    if rule not in RULES:
+        raise ValueError(f"lr scaling rule must be one of {', '.join(RULES)}, got {rule!r}")
     if global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1, got {global_batch}")
     if reference_batch < 1:
@@ -77,6 +84,12 @@ def lr_scaling(
     if ratio == 1:
         rule, factor = "none", 1.0
         reason = "the global batch equals the reference batch: keep the tuned lr and warm-up"
+    elif rule == "linear":
+        factor = ratio
+        reason = f"linear scaling, as asked: {ratio:g}x the reference batch"
+    elif rule == "sqrt":
+        factor = math.sqrt(ratio)
+        reason = f"square-root scaling, as asked: {ratio:g}x the reference batch"
     elif optimizer == "adam":
         rule, factor = "sqrt", math.sqrt(ratio)
         reason = (

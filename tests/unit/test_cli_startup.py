@@ -78,6 +78,16 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
             ["train", "--lr-ref-batch", "8", "--lr-scaling", "cubic"],
             "torsh-dist train: error: optim.lr_scaling must be one of auto, linear, sqrt, got 'cubic'",
         ),
+        (
+            ["train", "--tp", "3", "--nproc-per-node", "2"],
+            "torsh-dist train: error: parallel degrees do not match the world size: world size 2 is "
+            "not divisible by the fixed degrees (pp=1 * dp=-1 * ep=1 * tp=3 = 3); dp cannot fill the rest",
+        ),
+        (
+            ["train", "--batch-size", "33", "--nproc-per-node", "2"],
+            "torsh-dist train: error: batch_size 33 (global) is not divisible by the 2 data-parallel "
+            "ranks; choose a multiple of 2",
+        ),
         (["run", "--nproc-per-node", "0", "x.py"], "torsh-dist run: error: nproc_per_node must be >= 1, got 0"),
         (
             ["generate", "--checkpoint", "runs/none", "--prompt", "a", "--top-p", "2"],
@@ -89,8 +99,8 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
             "give --mlflow URI too (TensorBoard has no experiments: use --run-name)",
         ),
     ],
-    ids=["train-nproc-0", "train-lr", "train-lr-scaling", "run-nproc-0", "generate-top-p",
-         "train-experiment"],
+    ids=["train-nproc-0", "train-lr", "train-lr-scaling", "train-tp-3", "train-batch-33",
+         "run-nproc-0", "generate-top-p", "train-experiment"],
 )
 def test_refusal_is_one_line_and_imports_no_torch(argv: list[str], line: str):
     code, loaded, out, err = _run(*argv)

@@ -31,7 +31,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from torsh_distributed.cli._train_checks import check_checkpoint_paths, check_meter, check_world
+from torsh_distributed.cli._train_checks import (
+    check_checkpoint_paths,
+    check_meter,
+    check_world,
+    precheck_world,
+)
 from torsh_distributed.cli._train_scale import Scaled, launch_scaled, scale_range
 from torsh_distributed.train.config import PRESETS, TrainConfig, preset
 
@@ -476,6 +481,8 @@ def _handle(args: argparse.Namespace) -> int:
         precheck_tracking(config.monitor)  # an unreachable server: refused before torch loads
     if config.ft.enabled and not inside_launch:
         config.ft.check_nproc(options.nproc_per_node)
+    if not inside_launch and scaled is None and ":" not in options.nnodes:
+        precheck_world(config, options.nproc_per_node * int(options.nnodes))  # before torch
     if not inside_launch and _launches(options, ft=config.ft.enabled):
         from torsh_distributed.elastic import _warm
 

@@ -23,7 +23,6 @@ Shutting the process group down destroys them all.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from collections.abc import Sequence
@@ -33,11 +32,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torsh_distributed.comm.cost_model import CostModel, probe_link
+from torsh_distributed.comm.degrees import AXES, resolve_degrees
 
 __all__ = ["AXES", "ParallelDims", "current_dims", "group_name", "side_group"]
 
-AXES = ("pp", "dp", "ep", "tp")
-"""Mesh axes, outermost first: ``tp`` is innermost so its ranks are neighbours (same node)."""
 
 _CURRENT: ParallelDims | None = None
 _NAMES: dict[int, str] = {}
@@ -111,31 +109,11 @@ class ParallelDims:
             if not dist.is_initialized():
                 raise ValueError("world_size must be given when no process group is running")
             self.world_size = dist.get_world_size()
-        for name in AXES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-                raise ValueError(f"{name} must be a positive int or -1 (the rest), got {value!r}")
-        free = [n for n in AXES if getattr(self, n) == -1]
-        if len(free) > 1:
-            raise ValueError(f"only one degree may be -1, got {', '.join(free)}")
-        fixed = math.prod(getattr(self, n) for n in AXES if getattr(self, n) != -1)
-        if free:
-            if self.world_size % fixed:
-                raise ValueError(
-                    f"world size {self.world_size} is not divisible by the fixed degrees "
-                    f"({self._describe()} = {fixed}); {free[0]} cannot fill the rest"
-                )
-            setattr(self, free[0], self.world_size // fixed)
-        elif fixed != self.world_size:
-            raise ValueError(
-                f"dp * tp * pp * ep = {self._describe()} = {fixed} != world size {self.world_size}; "
-                "use -1 for one degree to take the rest"
-            )
+        resolved = resolve_degrees({n: getattr(self, n) for n in AXES}, self.world_size)
+        for name, value in resolved.items():
+            setattr(self, name, value)
         if self.node_assignment is not None:
             self.node_assignment = self._check_nodes(self.node_assignment)
-
-    def _describe(self) -> str:
-        return " * ".join(f"{n}={getattr(self, n)}" for n in AXES)
 
     def _check_nodes(self, nodes: Sequence[int]) -> tuple[int, ...]:
         nodes = tuple(int(n) for n in nodes)

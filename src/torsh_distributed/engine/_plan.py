@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torsh_distributed.comm.degrees import check_degrees
 from torsh_distributed.comm.dims import ParallelDims
 from torsh_distributed.compression.spec import parse_spec
 from torsh_distributed.parallel.config import check_world
@@ -64,18 +65,9 @@ def plan_run(
         ValueError: naming the setting and what it must be.
     """
     par = config.parallel
-    try:
-        dims = ParallelDims(
-            dp=par.dp,
-            tp=par.tp,
-            pp=par.pp,
-            ep=par.ep,
-            world_size=world_size,
-            device_type=device_type,
-            node_assignment=nodes,
-        )
-    except ValueError as exc:
-        raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
+    degrees = check_degrees(par, world_size)
+    dims = ParallelDims(**degrees, world_size=world_size, device_type=device_type,
+                        node_assignment=nodes)
     per_dp = config.check_world(dims.data_degree)  # ep ranks hold different samples
     check_world(par, dims.data_degree)  # FSDP2 shards dense parameters over dp x ep
     if dims.ep > 1 and config.compression.enabled:

@@ -15,7 +15,8 @@ round, so neither always runs on a warmer cache):
 * the wall time of ``torsh-dist --help``, ``torsh-dist train --help`` and the refusal
   ``torsh-dist train --nproc-per-node 0`` (the console script, as a user types it); with
   ``--refusals`` also of bad paths (a missing script, checkpoint directory or factory file), an
-  MLflow server that is not listening and a bad federated setting;
+  MLflow server that is not listening, a bad federated setting, and parallel degrees or a
+  batch that do not fit the world size;
 * launch to the first training step of ``torsh-dist train --nproc-per-node 2 --preset tiny
   --max-steps 5``: ``time.time()`` just before the launch to the trainer's ``first_step_unix_s``
   (``--summary-json``; the end of step 1 on rank 0), the whole command's wall time, and its CPU
@@ -63,6 +64,9 @@ REFUSALS: dict[str, list[str]] = {
     "torsh-dist train --nproc-per-node 2 --mlflow http://127.0.0.1:CLOSED": [
         "train", "--nproc-per-node", "2", "--mlflow", "http://127.0.0.1:{port}"],
     "torsh-dist federated --clients 0": ["federated", "--clients", "0"],
+    "torsh-dist train --tp 3 --nproc-per-node 2": ["train", "--tp", "3", "--nproc-per-node", "2"],
+    "torsh-dist train --batch-size 33 --nproc-per-node 2": [
+        "train", "--batch-size", "33", "--nproc-per-node", "2"],
 }
 TRAIN = ["train", "--nproc-per-node", "2", "--preset", "tiny", "--max-steps", "5"]
 _DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

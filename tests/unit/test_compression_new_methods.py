@@ -312,17 +312,38 @@ def test_block_quantiser_keeps_blocks_inside_parameters():
     assert float((z[0, 3:256] - small[:253]).abs().max()) > 10 * float((y[0, 3:256] - small[:253]).abs().max())
 
 
-@pytest.mark.parametrize("sizes", [[3, 300, 5], [0, 256, 0, 257, 1], [512], [255]])
+@pytest.mark.parametrize(
+    "sizes", [[3, 300, 5], [0, 256, 0, 257, 1], [512], [255], [5000, 0, 4001], [9000]]
+)
 def test_block_amax_by_views_equals_the_scatter(sizes: list[int]):
-    """The quantised collectives pass the segment sizes: their maxima come from reshaped views,
-    and must be exactly the atomic scatter's (codes and scales bit-identical)."""
-    from torsh_distributed.parallel._quantized_zero import block_ids, block_quantize
+    """The quantised collectives pass the segment sizes: their maxima come from reshaped views
+    (for segments of >= 4096 entries on average), and must be exactly the atomic scatter's."""
+    from torsh_distributed.parallel._quantized_zero import block_amax, block_ids, block_quantize
 
     ids, num_blocks = block_ids(sizes, 256)
     g = torch.Generator().manual_seed(sum(sizes))
     x = torch.randn(3, sum(sizes), generator=g) * torch.rand(3, 1, generator=g)
     x[1, : min(4, x.shape[1])] = 0.0
-    scatter = block_quantize(x, ids, num_blocks)
-    views = block_quantize(x, ids, num_blocks, sizes=sizes, block=256)
-    assert views[1].shape == (3, num_blocks)
-    assert torch.equal(views[0], scatter[0]) and torch.equal(views[1], scatter[1])
+    codes, scale = block_quantize(x, ids, num_blocks)  # the scatter
+    views = block_amax(x, sizes, 256)
+    assert views.shape == (3, num_blocks)
+    assert torch.equal((views / 127.0).clamp_min(torch.finfo(torch.float32).tiny), scale)
+    both = block_quantize(x, ids, num_blocks, sizes=sizes, block=256)  # views where they pay
+    assert torch.equal(both[0], codes) and torch.equal(both[1], scale)
+    with pytest.raises(ValueError, match="block sizes add up to"):
+        block_quantize(x, ids, num_blocks, sizes=[*sizes, 1], block=256)
+
+
+def test_stream_draws_on_the_asked_device_or_falls_back_to_the_cpu():
+    """``Stream.next(key, device)``: a CPU device (or none) gives the CPU generator of the same
+    seed; a device without a generator of its own (``meta``) falls back to the CPU one."""
+    from torsh_distributed.compression._rng import Stream
+
+    plain, cpu, meta = Stream(3).next(5), Stream(3).next(5, torch.device("cpu")), \
+        Stream(3).next(5, torch.device("meta"))
+    assert cpu.device.type == "cpu" and meta.device.type == "cpu"
+    draws = [torch.rand(4, generator=g) for g in (plain, cpu, meta)]
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+    stream = Stream(3)
+    first, second = stream.next(5), stream.next(5)
+    assert not torch.equal(torch.rand(4, generator=first), torch.rand(4, generator=second))

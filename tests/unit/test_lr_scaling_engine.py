@@ -61,3 +61,10 @@ def test_an_optimizer_factory_with_a_reference_batch_is_refused(tmp_path: Path):
 
     with pytest.raises(ValueError, match="optim.lr_ref_batch scales config.optim's lr"):
         _fit(tmp_path, factory=lambda p: torch.optim.SGD(p, lr=0.1), lr_ref_batch=4)
+
+
+def test_a_warm_up_scaled_past_the_run_is_warned(tmp_path: Path):
+    # 8 warm-up steps at 64 -> 32 at 16 (its samples), longer than the 6-step run
+    with pytest.warns(UserWarning, match="32 warm-up steps at global batch 16, not fewer than "
+                      "max_steps 6"):
+        _fit(tmp_path, lr=4e-3, warmup_steps=8, lr_ref_batch=64)

@@ -55,13 +55,18 @@ _HASHED = ("optim", "max_steps", "batch_size", "seed")
 # Settings a resume may change without a warning: a finished run continued with a larger
 # --max-steps (reported as a schedule change instead).
 _SCHEDULE = ("max_steps",)
+_LR_RULE = ("lr_ref_batch", "lr_scaling")
 
 
 def computation_settings(config: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The settings of an ``EngineConfig`` that determine the computation, plus ``extra`` (the
     model's shape, the data: whatever the caller knows changes the result)."""
     data = config.to_dict()
-    return {**{k: data[k] for k in _HASHED}, **dict(extra or {})}
+    hashed = {k: data[k] for k in _HASHED}
+    # the lr rule's inputs are not the computation: the scaled lr and warm-up it gave are (and
+    # checkpoints written before the rule existed have neither key)
+    hashed["optim"] = {k: v for k, v in hashed["optim"].items() if k not in _LR_RULE}
+    return {**hashed, **dict(extra or {})}
 
 
 def settings_hash(settings: Mapping[str, Any]) -> str:

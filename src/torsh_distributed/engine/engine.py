@@ -149,6 +149,13 @@ class Engine:
         scaled, self.lr_scaling = scale_for_batch(self.config.optim, self.config.batch_size)
         if self.lr_scaling is not None:
             self.config = dataclasses.replace(self.config, optim=scaled)
+            if scaled.warmup_steps >= self.config.max_steps:
+                warnings.warn(
+                    f"lr scaling keeps the warm-up's samples: {scaled.warmup_steps} warm-up steps "
+                    f"at global batch {self.config.batch_size}, not fewer than max_steps "
+                    f"{self.config.max_steps}, so the lr never reaches {scaled.lr:.4g}",
+                    stacklevel=2,
+                )
         self.model_source = model
         self.dataset, self.val_dataset = dataset, val_dataset
         self.loss_fn = loss_fn or default_loss

@@ -100,6 +100,10 @@ def block_ids(sizes: Sequence[int], block: int) -> tuple[torch.Tensor, int]:
     return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)), offset
 
 
+_VIEW_ENTRIES = 4096
+"""Mean entries per segment from which :func:`block_quantize` takes maxima by views."""
+
+
 def block_amax(x: torch.Tensor, sizes: Sequence[int], block: int) -> torch.Tensor:
     """``max |x|`` of every block of :func:`block_ids` ``(sizes, block)`` in each row of ``x``
     (``(r, sum(sizes))``): views and reductions per segment, no scatter.
@@ -132,7 +136,11 @@ def block_quantize(
     :func:`block_amax` instead of an atomic scatter (the same values)."""
     x = rows.float()
     ids = ids.to(x.device)
-    if sizes is not None and block > 0:
+    if sizes is not None and sum(sizes) != x.shape[1]:
+        raise ValueError(f"block sizes add up to {sum(sizes)}, the rows hold {x.shape[1]} entries")
+    # views cost a kernel or two per segment: for many small segments the one scatter is cheaper
+    # (400 segments of 37 entries: 3.6 ms against 0.31 ms on the CPU)
+    if sizes is not None and block > 0 and x.shape[1] >= _VIEW_ENTRIES * len(sizes):
         amax = block_amax(x, sizes, block)
     else:
         amax = torch.zeros(x.shape[0], num_blocks, device=x.device).scatter_reduce_(

@@ -18,7 +18,7 @@ from torsh_distributed.monitor.step import StepMonitor
 from torsh_distributed.plan.lr_scaling import LRScaling
 from torsh_distributed.runtime import world
 
-__all__ = ["announcement", "observe"]
+__all__ = ["announce", "announcement", "observe"]
 
 
 class _Named(Protocol):
@@ -54,6 +54,17 @@ def announcement(
             f"{cfg.optim.warmup_steps} steps. {rule.reason}"
         )
     return line
+
+
+def announce(
+    engine: _Named, cfg: EngineConfig, dims: ParallelDims, runtime: world.Runtime, *,
+    num_params: int, per_dp: int,
+) -> None:
+    """Print :func:`announcement` on the main rank."""
+    if runtime.is_main:
+        print(announcement(engine, cfg, dims, world_size=runtime.world_size,
+                           backend=runtime.backend, num_params=num_params, per_dp=per_dp),
+              flush=True)
 
 
 def observe(

@@ -44,7 +44,7 @@ from torsh_distributed.engine._comm import CommSetup, node_assignment
 from torsh_distributed.engine._compression import GradCompression
 from torsh_distributed.engine._memory import MemoryReport, planner_optimizer
 from torsh_distributed.engine._moe import MoEHooks
-from torsh_distributed.engine._observe import announcement, observe
+from torsh_distributed.engine._observe import announce, observe
 from torsh_distributed.engine._schedule import METRICS as SCHEDULE_METRICS
 from torsh_distributed.engine._schedule import CommSchedule
 from torsh_distributed.engine.config import EngineConfig
@@ -331,10 +331,8 @@ class Run:
             self._prime(self.start_step)  # sum as the uninterrupted run (no-op if primed)
 
     def _announce(self) -> None:
-        if self.runtime.is_main:
-            print(announcement(self.engine, self.cfg, self.dims, world_size=self.runtime.world_size,
-                               backend=self.runtime.backend, num_params=self.built.num_params,
-                               per_dp=self.plan.per_dp), flush=True)
+        announce(self.engine, self.cfg, self.dims, self.runtime, num_params=self.built.num_params,
+                 per_dp=self.plan.per_dp)
 
     def _attach_monitor(self) -> None:
         cfg, runtime = self.cfg, self.runtime
@@ -556,7 +554,6 @@ class Run:
             raise ValueError(
                 f"nothing to train: the run is at step {self.start_step} of {cfg.max_steps}"
             )
-        tail = losses[-min(10, len(losses)) :]
         steps_here = len(losses) - self.start_step
         samples_per_s = cfg.batch_size * steps_here / self.loop_time if self.loop_time else 0.0
         num_params = self.built.num_params
@@ -564,7 +561,7 @@ class Run:
             steps=len(losses),
             losses=losses,
             initial_loss=losses[0],
-            final_loss=sum(tail) / len(tail),
+            final_loss=sum(losses[-10:]) / len(losses[-10:]),
             val_loss=val_loss,
             val_history=self.val_history,
             samples_per_s=samples_per_s,

@@ -88,6 +88,17 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
             "torsh-dist train: error: batch_size 33 (global) is not divisible by the 2 data-parallel "
             "ranks; choose a multiple of 2",
         ),
+        (  # replica groups: the degrees split one group's ranks (4 / 2), not the whole world
+            ["train", "--nproc-per-node", "4", "--ft.replica-groups", "2", "--tp", "2", "--dp", "2"],
+            "torsh-dist train: error: parallel degrees do not match the world size: dp * tp * pp * "
+            "ep = pp=1 * dp=2 * ep=1 * tp=2 = 4 != world size 2; use -1 for one degree to take the "
+            "rest (one of 2 replica groups' ranks)",
+        ),
+        (
+            ["train", "--nproc-per-node", "4", "--ft.replica-groups", "2", "--batch-size", "6"],
+            "torsh-dist train: error: batch_size 6 is not divisible by the 4 data-parallel ranks of "
+            "2 replica groups; choose a multiple of 4",
+        ),
         (["run", "--nproc-per-node", "0", "x.py"], "torsh-dist run: error: nproc_per_node must be >= 1, got 0"),
         (
             ["generate", "--checkpoint", "runs/none", "--prompt", "a", "--top-p", "2"],
@@ -100,7 +111,7 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
         ),
     ],
     ids=["train-nproc-0", "train-lr", "train-lr-scaling", "train-tp-3", "train-batch-33",
-         "run-nproc-0", "generate-top-p", "train-experiment"],
+         "train-ft-group-degrees", "train-ft-group-batch", "run-nproc-0", "generate-top-p", "train-experiment"],
 )
 def test_refusal_is_one_line_and_imports_no_torch(argv: list[str], line: str):
     code, loaded, out, err = _run(*argv)

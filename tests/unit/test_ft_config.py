@@ -116,3 +116,28 @@ def test_group_share_of_the_global_batch(tmp_path) -> None:
     }
     groups = ReplicaGroups(FTConfig(replica_groups=2), group_rank=0, group_size=2, env=env)
     assert groups.shard(torch.arange(8)).tolist() == [4, 5, 6, 7]
+
+
+def test_the_degrees_and_the_batch_split_one_groups_ranks() -> None:
+    """With replica groups the CLI checks one group's world (``--nproc-per-node`` / R): TP 2 x
+    DP 1 in each of 2 groups of 2 ranks is accepted (it was refused against the whole world of
+    4), and the batch must split over R x the group's data-parallel ranks (TP ranks share)."""
+    from torsh_distributed.cli._train_checks import launch_world, precheck_world
+    from torsh_distributed.train.config import TrainConfig
+
+    cfg = TrainConfig(ft=FTConfig(replica_groups=2), parallel=ParallelConfig(tp=2, dp=1),
+                      batch_size=2)
+    assert launch_world(cfg, 4) == 2
+    precheck_world(cfg, launch_world(cfg, 4))  # 2 groups x 1 data rank: 1 sample each
+    assert launch_world(TrainConfig(), 4) == 4
+    with pytest.raises(ValueError, match=r"not a multiple of ft.replica_groups 2"):
+        launch_world(cfg, 3)
+    two_dp = TrainConfig(ft=FTConfig(replica_groups=2), parallel=ParallelConfig(tp=2, dp=2))
+    with pytest.raises(ValueError, match=r"!= world size 2.*\(one of 2 replica groups' ranks\)"):
+        precheck_world(two_dp, launch_world(two_dp, 4))
+    ft = FTConfig(replica_groups=2)
+    assert ft.check_batch(8, data_ranks=2, grad_accum=2) == 2
+    with pytest.raises(ValueError, match=r"batch_size 6 is not divisible by the 4 data-parallel"):
+        ft.check_batch(6, data_ranks=2)
+    with pytest.raises(ValueError, match=r"grad_accum 4 must divide the per-rank batch 2"):
+        ft.check_batch(8, data_ranks=2, grad_accum=4)

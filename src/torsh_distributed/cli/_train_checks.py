@@ -10,19 +10,37 @@ if TYPE_CHECKING:
     from torsh_distributed.engine.user import UserFactories
     from torsh_distributed.train.config import TrainConfig
 
-__all__ = ["check_checkpoint_paths", "check_meter", "check_world", "precheck_world"]
+__all__ = [
+    "check_checkpoint_paths", "check_meter", "check_world", "launch_world", "precheck_world",
+]
+
+
+def launch_world(config: TrainConfig, nproc: int) -> int:
+    """The world the parallel degrees split for ``nproc`` ranks in all: with replica groups
+    (``--ft.replica-groups R``) one group's ranks, ``nproc / R``; otherwise ``nproc``."""
+    return config.ft.check_nproc(nproc) if config.ft.enabled else nproc
 
 
 def precheck_world(config: TrainConfig, world_size: int) -> None:
     """The part of :func:`check_world` that needs no torch (degrees, the batch split, ZeRO's
-    data-parallel ranks): run before anything imports it, so such a refusal takes 0.2 s."""
+    data-parallel ranks): run before anything imports it, so such a refusal takes 0.2 s.
+    ``world_size``: the ranks the degrees split (one replica group's, :func:`launch_world`)."""
     from torsh_distributed.comm.degrees import check_degrees
     from torsh_distributed.parallel.config import check_world as check_sharding
 
-    degrees = check_degrees(config.parallel, world_size)
+    try:
+        degrees = check_degrees(config.parallel, world_size)
+    except ValueError as exc:
+        if not config.ft.enabled:
+            raise
+        groups = config.ft.replica_groups
+        raise ValueError(f"{exc} (one of {groups} replica groups' ranks)") from None
     data_ranks = degrees["dp"] * degrees["ep"]  # ParallelDims.data_degree
     config.check_world(data_ranks)
     check_sharding(config.parallel, data_ranks)
+    if config.ft.enabled:
+        config.ft.check_batch(config.batch_size, data_ranks=data_ranks,
+                              grad_accum=config.grad_accum)
 
 
 def check_world(config: TrainConfig, world_size: int, user: UserFactories | None) -> None:

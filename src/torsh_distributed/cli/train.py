@@ -35,6 +35,7 @@ from torsh_distributed.cli._train_checks import (
     check_checkpoint_paths,
     check_meter,
     check_world,
+    launch_world,
     precheck_world,
 )
 from torsh_distributed.cli._train_scale import Scaled, launch_scaled, scale_range
@@ -479,10 +480,11 @@ def _handle(args: argparse.Namespace) -> int:
         from torsh_distributed.monitor.tracking import precheck_tracking
 
         precheck_tracking(config.monitor)  # an unreachable server: refused before torch loads
-    if config.ft.enabled and not inside_launch:
-        config.ft.check_nproc(options.nproc_per_node)
-    if not inside_launch and scaled is None and ":" not in options.nnodes:
-        precheck_world(config, options.nproc_per_node * int(options.nnodes))  # before torch
+    if config.ft.enabled and not inside_launch and options.nnodes not in ("1", "1:1"):
+        raise SystemExit("error: --ft.replica-groups runs on one node (--nnodes 1) for now")
+    fixed = not inside_launch and scaled is None and ":" not in options.nnodes
+    if fixed:  # before torch; with replica groups, the degrees split one group's ranks
+        precheck_world(config, launch_world(config, options.nproc_per_node * int(options.nnodes)))
     if not inside_launch and _launches(options, ft=config.ft.enabled):
         from torsh_distributed.elastic import _warm
 
@@ -500,8 +502,8 @@ def _handle(args: argparse.Namespace) -> int:
         check_world(config, world.world_size, user)
     if not inside_launch and config.energy.meter in ("rapl", "nvml") and options.nnodes in ("1", "1:1"):
         check_meter(config)
-    elif scaled is None and ":" not in options.nnodes:  # a fixed world: check what depends on its size
-        check_world(config, options.nproc_per_node * int(options.nnodes), user)
+    elif fixed:  # a fixed world: check what depends on its size
+        check_world(config, launch_world(config, options.nproc_per_node * int(options.nnodes)), user)
     if scaled is not None and not inside_launch:
         return launch_scaled(config, user, options, scaled, check_world=check_world)
     alone = options.nproc_per_node == 1 and options.nnodes in ("1", "1:1") and not config.ft.enabled
@@ -510,8 +512,6 @@ def _handle(args: argparse.Namespace) -> int:
     if config.ft.enabled:  # replica groups: only a dead rank's group restarts
         from torsh_distributed.ft.launch import launch_groups
 
-        if options.nnodes not in ("1", "1:1"):
-            raise SystemExit("error: --ft.replica-groups runs on one node (--nnodes 1) for now")
         return launch_groups(
             [sys.executable, "-m", "torsh_distributed.train", "--config-json", config.to_json(),
              *(user.to_args() if user else [])],

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torsh_distributed.comm.degrees import check_degrees
 from torsh_distributed.data.sampler import GlobalSampler, shard
 from torsh_distributed.engine import _setup as S
 from torsh_distributed.engine._run import Run
@@ -40,12 +41,11 @@ class FTRun(Run):
         self.ft = ReplicaGroups(
             self.cfg.ft, group_rank=self.runtime.rank, group_size=self.runtime.world_size
         )  # refuses a run not started by the replica-group launcher, before any collective
-        groups, ranks = self.ft.num_groups, self.runtime.world_size * self.ft.num_groups
-        if self.cfg.batch_size % ranks:
-            raise ValueError(
-                f"batch_size {self.cfg.batch_size} is not divisible by the {ranks} ranks of "
-                f"{groups} replica groups; choose a multiple of {ranks}"
-            )
+        degrees = check_degrees(self.cfg.parallel, self.runtime.world_size)
+        self.cfg.ft.check_batch(  # each group takes its share, split over its data ranks
+            self.cfg.batch_size, data_ranks=degrees["dp"] * degrees["ep"],
+            grad_accum=self.cfg.grad_accum,
+        )
         super().setup()
         self.ft.attach(
             self,

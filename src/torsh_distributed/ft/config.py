@@ -23,7 +23,8 @@ class FTConfig:
 
     replica_groups: int = field(default=1, metadata={"flags": []})
     """Number of replica groups R (1 = off: a dead rank restarts every rank). The ranks
-    (``--nproc-per-node``) must be a multiple of R; batch_size a multiple of the ranks."""
+    (``--nproc-per-node``) must be a multiple of R; batch_size a multiple of R times a group's
+    data-parallel ranks."""
     max_restarts: int = field(default=3, metadata={"flags": []})
     """Restarts of one group before it is given up (the job then goes on without it while
     ``min_groups`` groups remain)."""
@@ -77,9 +78,29 @@ class FTConfig:
     def enabled(self) -> bool:
         return self.replica_groups > 1
 
-    def check_nproc(self, nproc: int) -> None:
-        """``ValueError`` unless ``nproc`` ranks split into :attr:`replica_groups` equal groups."""
+    def check_nproc(self, nproc: int) -> int:
+        """The ranks of one group (the world its parallel degrees split); ``ValueError`` unless
+        ``nproc`` ranks split into :attr:`replica_groups` equal groups."""
         if nproc % self.replica_groups:
             raise ValueError(
                 f"--nproc-per-node {nproc} is not a multiple of ft.replica_groups {self.replica_groups}"
             )
+        return nproc // self.replica_groups
+
+    def check_batch(self, batch_size: int, *, data_ranks: int, grad_accum: int = 1) -> int:
+        """Each rank's batch: ``batch_size`` split over the groups, then over the ``data_ranks``
+        of a group (its data-parallel ranks; TP ranks share theirs), then into ``grad_accum``
+        micro-batches; ``ValueError`` naming what does not divide."""
+        ranks = self.replica_groups * data_ranks
+        if batch_size % ranks:
+            raise ValueError(
+                f"batch_size {batch_size} is not divisible by the {ranks} data-parallel ranks of "
+                f"{self.replica_groups} replica groups; choose a multiple of {ranks}"
+            )
+        per_rank = batch_size // ranks
+        if per_rank % grad_accum:
+            raise ValueError(
+                f"grad_accum {grad_accum} must divide the per-rank batch {per_rank} (batch_size "
+                f"{batch_size} / {ranks} data-parallel ranks of {self.replica_groups} groups)"
+            )
+        return per_rank

@@ -68,3 +68,14 @@ def test_a_warm_up_scaled_past_the_run_is_warned(tmp_path: Path):
     with pytest.warns(UserWarning, match="32 warm-up steps at global batch 16, not fewer than "
                       "max_steps 6"):
         _fit(tmp_path, lr=4e-3, warmup_steps=8, lr_ref_batch=64)
+
+
+def test_a_diverged_run_names_the_lr_given_and_the_lr_it_was_scaled_to(tmp_path: Path):
+    # --lr 1e6 tuned at batch 4, run at 16: the message used to call the scaled 4e6 "--lr"
+    with pytest.raises(FloatingPointError) as caught:
+        _fit(tmp_path, optimizer="sgd", lr=1e6, lr_ref_batch=4)
+    message = str(caught.value)
+    assert "lower the learning rate (--lr 1e+06, scaled linear x4 to 4e+06 for the global batch " \
+           "16: lower --lr, or --lr-scaling)" in message, message
+    with pytest.raises(FloatingPointError, match=r"lower the learning rate \(--lr, now 1000000.0\)"):
+        _fit(tmp_path, optimizer="sgd", lr=1e6)

@@ -56,6 +56,19 @@ def announcement(
     return line
 
 
+def lr_note(cfg: EngineConfig, rule: LRScaling | None, *, user_optimizer: bool) -> str:
+    """The learning rate a diverged run names (`` (--lr ...)``): the flag's value and, when the
+    engine scaled it for the batch, what it became (``cfg.optim`` holds the scaled value)."""
+    if user_optimizer:
+        return ""
+    if rule is None or rule.factor == 1:
+        return f" (--lr, now {cfg.optim.lr})"
+    return (
+        f" (--lr {cfg.optim.lr / rule.factor:.4g}, scaled {rule.rule} x{rule.factor:.4g} to "
+        f"{cfg.optim.lr:.4g} for the global batch {cfg.batch_size}: lower --lr, or --lr-scaling)"
+    )
+
+
 def announce(
     engine: _Named, cfg: EngineConfig, dims: ParallelDims, runtime: world.Runtime, *,
     num_params: int, per_dp: int,

@@ -44,7 +44,7 @@ from torsh_distributed.engine._comm import CommSetup, node_assignment
 from torsh_distributed.engine._compression import GradCompression
 from torsh_distributed.engine._memory import MemoryReport, planner_optimizer
 from torsh_distributed.engine._moe import MoEHooks
-from torsh_distributed.engine._observe import announce, observe
+from torsh_distributed.engine._observe import announce, lr_note, observe
 from torsh_distributed.engine._schedule import METRICS as SCHEDULE_METRICS
 from torsh_distributed.engine._schedule import CommSchedule
 from torsh_distributed.engine.config import EngineConfig
@@ -463,10 +463,10 @@ class Run:
         """The job's mean loss of ``step``: checked, kept, and handed to the monitor."""
         global_loss = float(self._global_mean(loss))
         if not math.isfinite(global_loss):
-            user_optimizer = self.engine.optimizer_factory is not None
-            lr_note = "" if user_optimizer else f" (--lr, now {self.cfg.optim.lr})"
+            user = self.engine.optimizer_factory is not None
+            note = lr_note(self.cfg, self.engine.lr_scaling, user_optimizer=user)
             raise FloatingPointError(
-                f"loss became {global_loss} at step {step + 1}; lower the learning rate{lr_note}"
+                f"loss became {global_loss} at step {step + 1}; lower the learning rate{note}"
             )
         self.losses.append(global_loss)
         self.compression.observe_loss(global_loss)

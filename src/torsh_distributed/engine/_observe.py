@@ -97,9 +97,9 @@ def observe(
     progress = Progress(total=cfg.max_steps, enabled=runtime.is_main and cfg.progress, desc=engine.name)
     write: Callable[[str], None] = progress.write if cfg.progress else print
     assert dims.mesh is not None
-    pp_rank = dims.mesh["pp"].get_local_rank()
+    pp_rank = dims.mesh.get_local_rank("pp")
     # one rank per data-parallel replica counts its samples (the job's rate is the ranks' sum)
-    counts = dims.mesh["tp"].get_local_rank() == 0 and pp_rank == dims.pp - 1
+    counts = dims.mesh.get_local_rank("tp") == 0 and pp_rank == dims.pp - 1
     samples = per_dp if counts else 0
     monitor = StepMonitor(
         cfg.monitor,

@@ -154,13 +154,13 @@ def build_model(
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-    pp_rank = dims.mesh["pp"].get_local_rank()
+    pp_rank = dims.mesh.get_local_rank("pp")
     stages = iter(stage_ids(pp_rank, pp=dims.pp, virtual_stages=par.virtual_stages))
 
     def init_seed(stage: int) -> int:
         # stages hold different layers, and (without DTensor random on CPU) FSDP shards need
         # their own draws: one seed per (stage, dp shard)
-        shard_rank = dims.mesh["dp"].get_local_rank() if par.zero_stage >= 2 else 0
+        shard_rank = dims.mesh.get_local_rank("dp") if par.zero_stage >= 2 else 0
         return config.seed + 7919 * stage + 104729 * shard_rank
 
     def shard(module: nn.Module, *, stage: bool) -> nn.Module:
@@ -189,7 +189,7 @@ def build_model(
         pipe = build_pipeline(
             model,
             split_points=par.split_points,
-            pp_rank=dims.mesh["pp"].get_local_rank(),
+            pp_rank=dims.mesh.get_local_rank("pp"),
             pp=dims.pp,
             group=dims.group("pp"),
             device=device,

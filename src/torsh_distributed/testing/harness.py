@@ -58,7 +58,10 @@ __all__ = ["run_distributed", "distributed_test", "find_free_port", "RankFailedE
 F = TypeVar("F", bound=Callable[..., Any])
 _BODY_ATTR = "__torsh_distributed_body__"
 # first: OpenMP's idle threads sleep instead of spinning (read once, when torch loads OpenMP)
-_PRELOAD = ["torsh_distributed.runtime._omp_wait", "torch", "torch.distributed", "torsh_distributed"]
+_PRELOAD = [
+    "torsh_distributed.runtime._omp_wait", "torch", "torch.distributed", "torsh_distributed",
+    "torch._dynamo",  # DDP's constructor and the first optimizer step import it (~1 s per rank)
+]
 _PRELOAD_ENV = "TORSH_TEST_PRELOAD"
 """Extra modules for the forkserver to import once (comma-separated), read when it starts."""
 

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from torsh_distributed.hf.model import load_hf_model  # noqa: E402
 from torsh_distributed.inference.load import load_model_state  # noqa: E402
 from torsh_distributed.testing import find_free_port  # noqa: E402
+from torsh_distributed.testing.cli import run_cli
 from torsh_distributed.testing.hf import write_jsonl, write_tiny_llama  # noqa: E402
 
 CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
@@ -39,10 +40,9 @@ def hf_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def _train(out: Path, args: list[str]) -> dict:
     summary = out / "summary.json"
-    proc = subprocess.run(
-        [*CLI, "train", *args, *QUICK, "--checkpoint-dir", str(out / "ckpt"),
-         "--summary-json", str(summary)],
-        capture_output=True, text=True, timeout=400,
+    proc = run_cli(
+        ["train", *args, *QUICK, "--checkpoint-dir", str(out / "ckpt"), "--summary-json", str(summary)],
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(summary.read_text())
@@ -67,10 +67,10 @@ def zero3(hf_args: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple
 
 def _export(run: Path, shard_size: str = "5GB") -> Path:
     out = run / "hf"
-    proc = subprocess.run(
-        [*CLI, "checkpoint", "export", "--format", "hf", str(run / "ckpt"), str(out),
+    proc = run_cli(
+        ["checkpoint", "export", "--format", "hf", str(run / "ckpt"), str(out),
          "--max-shard-size", shard_size],
-        capture_output=True, text=True, timeout=300,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "saved by 2 rank(s)" in proc.stdout
@@ -166,10 +166,10 @@ def test_generate_continues_a_prompt_as_transformers_does(exported: Path, tmp_pa
 
     report = tmp_path / "gen.json"
     prompt = "the optimizer steps on"
-    proc = subprocess.run(
-        [*CLI, "generate", "--checkpoint", str(exported), "--prompt", prompt,
+    proc = run_cli(
+        ["generate", "--checkpoint", str(exported), "--prompt", prompt,
          "--max-new-tokens", "8", "--temperature", "0", "--output", str(report)],
-        capture_output=True, text=True, timeout=240,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(report.read_text())

@@ -17,17 +17,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from torsh_distributed.cli.main import main
+from torsh_distributed.testing.cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 TRAIN = [
     "train",
     "--nproc-per-node",
@@ -77,13 +76,7 @@ SAMPLING = [
 def _cli(
     args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return run_cli(args, timeout=timeout, env={**os.environ, **(env or {})})  # a warm process
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:

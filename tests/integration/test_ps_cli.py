@@ -4,21 +4,21 @@ the real launcher: 1 server + 2 workers, the staleness bound held, the summary w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main", "train"]
+from torsh_distributed.testing.cli import run_cli
+
+CLI = ["train"]  # run_cli's arguments: torsh-dist train in a warm process
 
 
 def test_the_built_in_model_trains_with_bounded_staleness(tmp_path: Path):
     out = tmp_path / "ps.json"
-    proc = subprocess.run(
+    proc = run_cli(
         [*CLI, "--nproc-per-node", "3", "--ps-servers", "1", "--staleness", "2", "--preset", "tiny",
          "--max-steps", "6", "--progress", "false", "--summary-json", str(out)],
-        capture_output=True, text=True, timeout=240,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
@@ -37,8 +37,7 @@ def test_synchronous_ps_trains_like_data_parallelism_from_the_same_command(tmp_p
     out = {}
     for name, extra in (("dp", []), ("ps", ["--ps-servers", "1", "--staleness", "0"])):
         path = tmp_path / f"{name}.json"
-        proc = subprocess.run([*CLI, *same, *extra, "--summary-json", str(path)], capture_output=True, text=True,
-                              timeout=240)
+        proc = run_cli([*CLI, *same, *extra, "--summary-json", str(path)], timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[name] = json.loads(path.read_text())
     assert out["ps"]["mode"] == "sync" and out["ps"]["num_workers"] == 1

@@ -16,18 +16,18 @@ import pytest
 
 from torsh_distributed.monitor.sinks import json_safe
 from torsh_distributed.testing import find_free_port
+from torsh_distributed.testing.cli import run_cli
 
 pytest.importorskip("tensorboard", reason="the tracking extra is not installed")
 pytest.importorskip("mlflow", reason="the tracking extra is not installed")
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 TINY = ["--preset", "tiny", "--data.max-bytes", "200000", "--batch-size", "8", "--eval-batches", "1",
         "--progress", "false", "--monitor-every", "2"]
 STEPS = 6
 
 
 def _train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([*CLI, "train", *TINY, *args], capture_output=True, text=True, timeout=timeout)
+    proc = run_cli(["train", *TINY, *args], timeout=timeout)  # a warm process
     return proc
 
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
+from torsh_distributed.testing.cli import run_cli
+
 SMALL = ["--preset", "tiny", "--data.max-bytes", "400000", "--eval-batches", "2"]
 
 
 def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+    return run_cli(args, timeout=timeout)  # a warm process (torsh_distributed.testing.cli)
 
 
 @pytest.mark.slow

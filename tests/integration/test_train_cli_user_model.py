@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from torsh_distributed.cli.main import main
+from torsh_distributed.testing.cli import run_cli
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 MODELS = "torsh_distributed.testing.models"
 USER = ["--model", f"{MODELS}:tiny_lm", "--dataset", f"{MODELS}:token_data",
         "--val-dataset", f"{MODELS}:token_data"]
@@ -42,7 +42,7 @@ def broken():
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, "train", *args], capture_output=True, text=True, timeout=timeout)
+    return run_cli(["train", *args], timeout=timeout)  # a warm process (torsh_distributed.testing.cli)
 
 
 def _refused(args: list[str], capfd: pytest.CaptureFixture[str],

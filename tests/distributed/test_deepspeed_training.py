@@ -5,14 +5,13 @@ on 2 ranks (ZeRO-2, clipping, AdamW betas/eps, WarmupDecayLR); and ``torsh-dist 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from torsh_distributed.testing import run_distributed
+from torsh_distributed.testing.cli import run_cli
 
 DS = {
     "train_micro_batch_size_per_gpu": 8,
@@ -56,7 +55,7 @@ def test_a_deepspeed_config_trains_exactly_like_the_hand_built_one():
     assert from_ds == by_hand
 
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main", "train"]
+CLI = ["train"]  # run_cli's arguments: torsh-dist train in a warm process
 QUICK = ["--preset", "tiny", "--max-steps", "2", "--eval-batches", "1", "--progress", "false"]
 
 
@@ -66,8 +65,7 @@ def test_the_cli_reports_every_key_and_strict_refuses(
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": 0.5, "zero_optimization": {"stage": 0, "overlap_comm": True}}))
     summary = tmp_path / "s.json"
-    proc = subprocess.run([*CLI, *QUICK, "--deepspeed", str(ds), "--summary-json", str(summary)],
-                          capture_output=True, text=True, timeout=180)
+    proc = run_cli([*CLI, *QUICK, "--deepspeed", str(ds), "--summary-json", str(summary)], timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "DeepSpeed config: 3 applied, 1 mapped, 0 unsupported" in proc.stdout
     assert json.loads(summary.read_text())["steps"] == 2

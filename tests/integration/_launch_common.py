@@ -11,8 +11,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torsh_distributed.cli.train import add_config_arguments, config_from_args
+from torsh_distributed.testing.cli import run_cli
 from torsh_distributed.train.config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
@@ -62,22 +61,9 @@ def reference_summary() -> dict[str, Any]:
     """Summary JSON of ``torsh-dist train --nproc-per-node 2 FLAGS`` (run once per session)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "summary.json"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torsh_distributed.cli.main",
-                "train",
-                "--nproc-per-node",
-                "2",
-                *FLAGS,
-                "--summary-json",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=tmp,
+        proc = run_cli(  # a warm process (torsh_distributed.testing.cli)
+            ["train", "--nproc-per-node", "2", *FLAGS, "--summary-json", str(out)],
+            timeout=240, cwd=tmp,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return json.loads(out.read_text())

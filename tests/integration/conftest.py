@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from typing import NamedTuple
 import pytest
 
 from torsh_distributed.testing import find_free_port
+from torsh_distributed.testing.cli import run_cli
 
 REDIS_PASSWORD = "torsh-test-token"
 
@@ -114,12 +114,10 @@ def serve_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 20-step ``tiny`` training run's checkpoint directory (its name, ``ckpt``, is the served
     model's id)."""
     root = tmp_path_factory.mktemp("serve") / "ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torsh_distributed.cli.main", "train", "--preset", "tiny",
-         "--max-steps", "20", "--checkpoint-dir", str(root), "--progress", "false"],
-        capture_output=True,
-        text=True,
+    proc = run_cli(  # a warm process (torsh_distributed.testing.cli)
+        ["train", "--preset", "tiny", "--max-steps", "20", "--checkpoint-dir", str(root),
+         "--progress", "false"],
         timeout=240,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return str(root)

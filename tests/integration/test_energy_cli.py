@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from torsh_distributed.testing.cli import run_cli
 
 QUICK = ["--preset", "tiny", "--data.max-bytes", "200000", "--max-steps", "4", "--batch-size", "8",
          "--eval-batches", "1", "--progress", "false"]
 
 
 def _cli(args: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    code = "import sys\nfrom torsh_distributed.cli.main import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return run_cli(args, timeout=timeout)  # a warm process (torsh_distributed.testing.cli)
 
 
 @pytest.mark.timeout(180)

@@ -14,7 +14,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,9 +31,9 @@ from torsh_distributed.elastic.health import (
 )
 from torsh_distributed.models.gpt import GPT
 from torsh_distributed.testing import run_distributed
+from torsh_distributed.testing.cli import run_cli
 from torsh_distributed.train import TrainConfig
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 EVERY, STEPS = 3, 10
 TINY = [
     "--preset",
@@ -79,7 +78,6 @@ def _train(
     if log is not None:
         env["TORSH_FAULT_LOG"] = str(log)
     argv = [
-        *CLI,
         "train",
         "--nproc-per-node",
         "2",
@@ -90,7 +88,7 @@ def _train(
         str(directory),
         *extra,
     ]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    return run_cli(argv, env=env, timeout=300)  # a warm process (torsh_distributed.testing.cli)
 
 
 def _events(log: Path) -> list[dict]:
@@ -173,9 +171,7 @@ def test_corrupt_file_fails_verify_and_resume_uses_the_previous_checkpoint(refer
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x40
     shard.write_bytes(bytes(data))
-    proc = subprocess.run(
-        [*CLI, "checkpoint", "verify", str(directory)], capture_output=True, text=True, timeout=60
-    )
+    proc = run_cli(["checkpoint", "verify", str(directory)], timeout=60)
     assert proc.returncode == 1
     assert f"INVALID ({shard.name}): SHA-256 mismatch" in proc.stdout
     assert f"a resume would load {directory / step_dir_name(9)}" in proc.stdout

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from torsh_distributed.testing.cli import run_cli as warm_cli
+
 TIMEOUT_S = 120
 # Variables of an enclosing launcher would leak into the one under test.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -31,9 +33,9 @@ def _cmd(*argv: str) -> list[str]:
 
 
 def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        _cmd(*argv), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    """``torsh-dist run ARGV`` in a warm process (torsh_distributed.testing.cli); the start
+    methods' own test below starts it cold, as a user's shell does."""
+    return warm_cli(["run", *argv], cwd=cwd, env=_env(), timeout=TIMEOUT_S)
 
 
 def write(path: Path, source: str) -> Path:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from torsh_distributed.testing.cli import run_cli
+
 CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 QUICK = ["--preset", "tiny", "--data.max-bytes", "200000", "--max-steps", "4", "--batch-size",
          "8", "--eval-every", "2", "--eval-batches", "1", "--progress", "false"]
@@ -18,9 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(args: list[str], *, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    code = "import sys\nfrom torsh_distributed.cli.main import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return run_cli(args, timeout=timeout)  # a warm process (torsh_distributed.testing.cli)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -4,8 +4,6 @@ distributed_training section) mapped onto our ZeRO stages, every key reported.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import pytest
 from torsh_distributed.compat.fairscale import import_fairscale
 from torsh_distributed.engine.config import EngineConfig
 from torsh_distributed.parallel.config import ParallelConfig
+from torsh_distributed.testing.cli import run_cli
 
 
 def _import(spec: dict, strict: bool = False):
@@ -79,8 +78,7 @@ def test_the_cli_prints_the_report(tmp_path: Path, capfd: pytest.CaptureFixture[
     spec.write_text(json.dumps({"distributed_training": {"ddp_backend": "pytorch_ddp"}, "optimization": {"clip_norm": 0.25}}))
     args = ["train", "--preset", "tiny", "--max-steps", "1", "--eval-batches", "1", "--progress", "false",
             "--fairscale", str(spec)]
-    proc = subprocess.run([sys.executable, "-m", "torsh_distributed.cli.main", *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli(args, timeout=120)  # a warm process (torsh_distributed.testing.cli)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "FairScale config: 1 applied, 1 mapped, 0 unsupported" in proc.stdout
     # refused before anything runs: the command's own code in this process

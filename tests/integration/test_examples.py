@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from torsh_distributed.testing import find_free_port
+from torsh_distributed.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-TORSH_DIST = Path(sys.executable).parent / "torsh-dist"
 TIMEOUT_S = 180
 # Variables of an enclosing launcher would leak into the one under test.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -41,10 +41,7 @@ def _env() -> dict[str, str]:
 
 def torsh_dist(*argv: str) -> str:
     """Run ``torsh-dist ARGV`` from the repository root; its stdout, after checking it exited 0."""
-    result = subprocess.run(
-        [str(TORSH_DIST), *argv], cwd=REPO, env=_env(), timeout=TIMEOUT_S,
-        capture_output=True, text=True,
-    )
+    result = run_cli(argv, cwd=REPO, env=_env(), timeout=TIMEOUT_S)  # a warm process
     assert result.returncode == 0, (
         f"torsh-dist {' '.join(argv)} exited {result.returncode}\n"
         f"--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}"

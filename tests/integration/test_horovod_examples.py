@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+from torsh_distributed.testing.cli import run_cli
+
 REPO = Path(__file__).resolve().parents[2]
-TORSH_DIST = Path(sys.executable).parent / "torsh-dist"
 TIMEOUT_S = 180
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -24,10 +24,7 @@ def horovodrun(*argv: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env.pop("TORCHELASTIC_ERROR_FILE", None)
     env.pop("TORSH_HOROVOD_ELASTIC_DIR", None)
-    result = subprocess.run(
-        [str(TORSH_DIST), "horovodrun", *argv], cwd=REPO, env=env, timeout=TIMEOUT_S,
-        capture_output=True, text=True,
-    )
+    result = run_cli(["horovodrun", *argv], cwd=REPO, env=env, timeout=TIMEOUT_S)  # a warm process
     assert result.returncode == expect, (
         f"torsh-dist horovodrun {' '.join(argv)} exited {result.returncode}\n"
         f"--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}"

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from torsh_distributed.monitor.step import SLOW_RANK_ENV
+from torsh_distributed.testing.cli import start_cli
 
 TRAIN = [sys.executable, "-m", "torsh_distributed.cli.main", "train", "--nproc-per-node", "2",
          "--preset", "tiny", "--data.max-bytes", "300000", "--eval-batches", "1",
@@ -25,9 +26,8 @@ class TrainingRun:
         if slow_rank:
             env[SLOW_RANK_ENV] = slow_rank
         self.log = log
-        self._out = log.open("w")
-        self.proc = subprocess.Popen([*TRAIN, *args], stdout=self._out, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        # a warm process (torsh_distributed.testing.cli), leading its own process group
+        self.proc = start_cli([*TRAIN[3:], *args], output=log, env=env)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -55,4 +55,3 @@ class TrainingRun:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self._out.close()

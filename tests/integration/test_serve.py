@@ -34,6 +34,7 @@ from torsh_distributed.inference.load import load_gpt
 from torsh_distributed.inference.server import InferenceServer, ServerConfig
 from torsh_distributed.inference.text import decode_bytes, encode_bytes
 from torsh_distributed.testing import find_free_port
+from torsh_distributed.testing.cli import start_cli
 
 CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 TOKEN = "test-token-0123456789abcdef"
@@ -501,12 +502,8 @@ class Served:
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self._out = log.open("w")
-        self.proc = subprocess.Popen(
-            [*CLI, "serve", *args, "--port", str(self.port)],
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+        self.proc = start_cli(  # a warm process (torsh_distributed.testing.cli)
+            ["serve", *args, "--port", str(self.port)], output=log, env={**os.environ, **(env or {})}
         )
 
     def output(self) -> str:
@@ -527,7 +524,6 @@ class Served:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        self._out.close()
 
     def children(self) -> list[psutil.Process]:
         try:

@@ -56,3 +56,25 @@ def test_a_command_past_its_time_is_killed_with_what_it_wrote(tmp_path: Path) ->
     assert time.monotonic() - start < 60
     assert "started" in (caught.value.output or "")
     assert run_distributed(_one, 2, timeout=60) == [1, 1]  # the harness's forkserver still serves
+
+
+def test_a_started_command_runs_until_stopped_and_writes_both_streams_to_its_file(tmp_path: Path) -> None:
+    from torsh_distributed.testing.cli import start_cli
+
+    (tmp_path / "wait.py").write_text(
+        "import sys, time\nprint('out line', flush=True)\nprint('err line', file=sys.stderr, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    log = tmp_path / "log.txt"
+    proc = start_cli(["run", "wait.py"], output=log, cwd=tmp_path)
+    assert log.exists() and proc.args == ["torsh-dist", "run", "wait.py"]
+    deadline = time.monotonic() + 120
+    while "err line" not in log.read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.2)
+    assert "out line" in log.read_text() and "err line" in log.read_text()
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.1)
+    assert os.getpgid(proc.pid) == proc.pid  # its own process group, as start_new_session=True
+    os.killpg(proc.pid, 9)
+    assert proc.wait(30) == -9 and proc.returncode == -9 and proc.poll() == -9

@@ -28,10 +28,68 @@ import tempfile
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from torsh_distributed.testing.harness import _context
 
-__all__ = ["run_cli"]
+__all__ = ["WarmProcess", "run_cli", "start_cli"]
+
+
+class WarmProcess:
+    """A ``torsh-dist`` command started by :func:`start_cli`: the parts of
+    :class:`subprocess.Popen` tests use (``pid``, ``returncode``, ``poll``, ``wait``,
+    ``send_signal``, ``terminate``, ``kill``). It leads its own process group, as with
+    ``start_new_session=True``."""
+
+    def __init__(self, argv: list[str], process: Any) -> None:
+        self.args = ["torsh-dist", *argv]
+        self._process = process
+        self.pid: int = process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._process.exitcode is not None:
+            self.returncode = int(self._process.exitcode)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_cli(
+    argv: Sequence[str],
+    *,
+    output: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> WarmProcess:
+    """Start ``torsh-dist ARGV`` in a warm process and return at once (``subprocess.Popen``'s
+    use in tests: a server, a run stopped by a signal). Its stdout and stderr both go to the
+    file ``output`` (created or truncated), as with ``stdout=f, stderr=subprocess.STDOUT``."""
+    args = [str(a) for a in argv]
+    environ = dict(os.environ if env is None else env)
+    where = str(Path(cwd) if cwd is not None else Path.cwd())
+    Path(output).write_bytes(b"")  # there (and empty) when this returns
+    process = _context().Process(  # type: ignore[attr-defined]
+        target=_command, args=(args, environ, where, str(output), str(output)), daemon=False
+    )
+    process.start()
+    return WarmProcess(args, process)
 
 
 def run_cli(
@@ -94,7 +152,10 @@ def _command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str)
     sys.path.insert(0, cwd)
     sys.argv = ["torsh-dist", *argv]
     for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if fd == 2 and err == out:  # one file for both, as stderr=subprocess.STDOUT
+            os.dup2(1, 2)
+            continue
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(target, fd)
         os.close(target)
     null = os.open(os.devnull, os.O_RDONLY)

@@ -19,12 +19,13 @@ import math
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from torsh_distributed.testing.cli import run_cli, start_cli
 
 STEPS = 300
 QUICK = ["--preset", "tiny", "--data.max-bytes", "200000", "--max-steps", str(STEPS), "--batch-size", "8",
@@ -33,13 +34,12 @@ CLEAN, DIRTY = 100, 400
 REFRESH_S = 0.5  # --carbon.refresh: the job looks at the series file at least this often
 PACE_MS = 10  # rank 0 of the scaled run is paced (TORSH_FAULT=slow): it cannot end before it looks
 FIRST_STEP = "memory per rank after step 1"  # rank 0's line once the first step ran
-CODE = "import sys\nfrom torsh_distributed.cli.main import main\nsys.exit(main(sys.argv[1:]))"
-CLI = [sys.executable, "-c", CODE, "train"]
+CLI = ["train"]  # run_cli's and start_cli's arguments: torsh-dist train in a warm process
 
 
 def _train(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     launched = time.time()
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=200)
+    proc = run_cli([*CLI, *args], timeout=200)  # a warm process (torsh_distributed.testing.cli)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, launched
 
@@ -52,14 +52,12 @@ def _write_series(path: Path, start: float, values: list[int]) -> None:
     os.replace(tmp, path)
 
 
-def _train_changing(args: list[str], change: Callable[[], float]) -> tuple[str, float]:
-    """Runs the command; calls ``change`` (which returns when it changed the series) when the
-    job reports its first step. The output and that time."""
-    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TORSH_FAULT": f"slow:rank=0:ms={PACE_MS}"})
+def _train_changing(args: list[str], change: Callable[[], float], log: Path) -> tuple[str, float]:
+    """Runs the command (its output in ``log``); calls ``change`` (which returns when it changed
+    the series) when the job reports its first step. The output and that time."""
+    proc = start_cli([*CLI, *args], output=log, env={**os.environ, "TORSH_FAULT": f"slow:rank=0:ms={PACE_MS}"})
     lines, changed_at = [], math.nan
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in proc.lines(log):
         lines.append(line)
         if math.isnan(changed_at) and FIRST_STEP in line:
             changed_at = change()
@@ -94,8 +92,8 @@ def test_the_world_size_follows_the_series_and_the_loss_is_the_uninterrupted_run
          "--carbon.refresh", str(REFRESH_S), "--checkpoint.dir", str(tmp_path / "ckpt"),
          "--summary-json", str(tmp_path / "scaled.json")],
         clean_from_now,
+        tmp_path / "scaled.log",  # kept with the run, for a reader
     )  # fmt: skip
-    (tmp_path / "scaled.log").write_text(out)  # kept with the run, for a reader
     data = json.loads((tmp_path / "scaled.json").read_text())
     scaling = data["carbon"]["scaling"]
     segments = scaling["segments"]

@@ -15,12 +15,12 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from torsh_distributed.testing.cli import run_cli, start_cli
 
 SLOT_S = 2.0
 STEPS = 300
@@ -29,7 +29,6 @@ FIRST_STEP = "memory per rank after step 1"  # rank 0's line once the first step
 QUICK = ["--nproc-per-node", "2", "--preset", "tiny", "--data.max-bytes", "200000",
          "--max-steps", str(STEPS), "--batch-size", "8", "--eval-batches", "1", "--progress", "false",
          "--energy.meter", "off"]
-CODE = "import sys\nfrom torsh_distributed.cli.main import main\nsys.exit(main(sys.argv[1:]))"
 
 
 def _series(path: Path, *, now: float, dirty_at: float | None) -> None:
@@ -44,24 +43,23 @@ def _series(path: Path, *, now: float, dirty_at: float | None) -> None:
 
 
 def test_two_ranks_pause_only_in_the_dirty_slot_and_train_the_unpaused_losses(tmp_path: Path):
-    ref_proc = subprocess.run([sys.executable, "-c", CODE, "train", *QUICK, "--summary-json",
-                               str(tmp_path / "ref.json")], capture_output=True, text=True, timeout=240)  # fmt: skip
+    # warm processes (torsh_distributed.testing.cli)
+    ref_proc = run_cli(["train", *QUICK, "--summary-json", str(tmp_path / "ref.json")], timeout=240)
     assert ref_proc.returncode == 0, ref_proc.stdout[-3000:] + ref_proc.stderr[-3000:]
     ref = json.loads((tmp_path / "ref.json").read_text())
 
     path = tmp_path / "s.csv"
     _series(path, now=time.time(), dirty_at=None)
     out_json = tmp_path / "paused.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CODE, "train", *QUICK, "--carbon.series", str(path), "--carbon.max-intensity",
+    log = tmp_path / "paused.log"
+    proc = start_cli(
+        ["train", *QUICK, "--carbon.series", str(path), "--carbon.max-intensity",
          "300", "--carbon.deadline", "10m", "--carbon.refresh", str(REFRESH_S), "--checkpoint.dir",
          str(tmp_path / "ckpt"), "--summary-json", str(out_json)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TORSH_FAULT": "slow:rank=0:ms=20"},
+        output=log, env={**os.environ, "TORSH_FAULT": "slow:rank=0:ms=20"},
     )  # fmt: skip
     lines, dirty_at = [], math.nan
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in proc.lines(log):
         lines.append(line)
         if math.isnan(dirty_at) and FIRST_STEP in line:
             dirty_at = round(time.time(), 3)

@@ -25,8 +25,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,25 @@ class WarmProcess:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
+
+    def lines(self, output: str | os.PathLike[str], *, poll_s: float = 0.02) -> Iterator[str]:
+        """The lines of ``output`` (the file given to :func:`start_cli`) as they are written,
+        until the command has exited and all it wrote was read (``for line in proc.stdout``)."""
+        with open(output, errors="replace") as stream:
+            pending = ""
+            while True:
+                exited = self.poll() is not None  # before the read: nothing written after it
+                chunk = stream.read()
+                if chunk:
+                    pending += chunk
+                    *done, pending = pending.split("\n")
+                    yield from (line + "\n" for line in done)
+                    continue
+                if exited:
+                    if pending:
+                        yield pending
+                    return
+                time.sleep(poll_s)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

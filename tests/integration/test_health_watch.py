@@ -4,13 +4,14 @@ its node and host, in the job's own output (real processes, Gloo, injected fault
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+
+from torsh_distributed.testing.cli import kill_tree, start_cli
 
 _DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
          "MASTER_PORT", "TORCHELASTIC_ERROR_FILE")
@@ -20,33 +21,30 @@ def _run_until(fault: str, wanted: str, *extra: str, timeout: float = 120) -> st
     """Start a 3-rank job with ``fault``; return its output once ``wanted`` appears, then kill it."""
     env = {k: v for k, v in os.environ.items() if k not in _DROP}
     env.update(TORSH_FAULT=fault, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torsh_distributed.cli.main", "train", "--nproc-per-node", "3",
-         "--preset", "tiny", "--batch-size", "6", "--max-steps", "400", "--progress", "false",
-         "--health-interval", "0.25", "--health-failed-after", "8", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # the job runs 400 steps: far longer than the fault needs
-            lines.append(line)
-            if wanted in line or time.monotonic() > deadline:
-                break
-    finally:
-        # torch starts every worker in its own session: kill the launcher's whole tree (SIGKILL
-        # also ends the stopped rank, which would sit on a SIGTERM).
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for child in tree:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-        proc.wait(timeout=30)
-        psutil.wait_procs(tree, timeout=30)
+    with tempfile.TemporaryDirectory(prefix="torsh-health-") as tmp:
+        log = Path(tmp) / "out.log"
+        proc = start_cli(  # a warm process (torsh_distributed.testing.cli)
+            ["train", "--nproc-per-node", "3", "--preset", "tiny", "--batch-size", "6",
+             "--max-steps", "400", "--progress", "false", "--health-interval", "0.25",
+             "--health-failed-after", "8", *extra],
+            output=log, env=env,
+        )  # fmt: skip
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        follow = proc.lines(log)
+        try:
+            for line in follow:  # the job runs 400 steps: far longer than the fault needs
+                lines.append(line)
+                if wanted in line or time.monotonic() > deadline:
+                    break
+        finally:
+            follow.close()
+            # torch starts every worker in its own session: kill the launcher's whole tree
+            # (SIGKILL also ends the stopped rank, which would sit on a SIGTERM).
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)
+            psutil.wait_procs(tree, timeout=30)
     return "".join(lines)
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from torsh_distributed.hf.model import load_hf_model  # noqa: E402
 from torsh_distributed.inference.load import load_model_state  # noqa: E402
 from torsh_distributed.testing import find_free_port  # noqa: E402
-from torsh_distributed.testing.cli import run_cli
+from torsh_distributed.testing.cli import run_cli, start_cli
 from torsh_distributed.testing.hf import write_jsonl, write_tiny_llama  # noqa: E402
 
 CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
@@ -127,9 +127,7 @@ def test_serve_answers_the_openai_client_as_transformers_generates(exported: Pat
 
     port = find_free_port()
     log = tmp_path / "serve.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen([*CLI, "serve", "--checkpoint", str(exported), "--port", str(port)],
-                                stdout=sink, stderr=subprocess.STDOUT)
+    proc = start_cli(["serve", "--checkpoint", str(exported), "--port", str(port)], output=log)
     try:
         deadline = time.monotonic() + 240
         while "listening on" not in log.read_text():

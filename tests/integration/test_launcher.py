@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from torsh_distributed.testing.cli import run_cli as warm_cli
+from torsh_distributed.testing.cli import start_cli
 
 TIMEOUT_S = 120
 # Variables of an enclosing launcher would leak into the one under test.
@@ -275,27 +276,19 @@ def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
         """,
     )
     out = tmp_path / "out.txt"
-    with out.open("w") as sink:
-        proc = subprocess.Popen(
-            _cmd("--nproc-per-node", "2", "sleeper.py"),
-            cwd=tmp_path,
-            env=_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            deadline = time.monotonic() + 30
-            while len(records(out.read_text(), "PID")) < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            pids = [info["pid"] for info in records(out.read_text(), "PID").values()]
-            assert len(pids) == 2, out.read_text()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    proc = start_cli(["run", "--nproc-per-node", "2", "sleeper.py"], output=out, cwd=tmp_path, env=_env())
+    try:
+        deadline = time.monotonic() + 30
+        while len(records(out.read_text(), "PID")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [info["pid"] for info in records(out.read_text(), "PID").values()]
+        assert len(pids) == 2, out.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert "received SIGTERM; all workers were stopped" in out.read_text()
     for pid in pids:
         with pytest.raises(ProcessLookupError):

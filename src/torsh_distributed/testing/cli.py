@@ -33,7 +33,7 @@ from typing import Any
 
 from torsh_distributed.testing.harness import _context
 
-__all__ = ["WarmProcess", "run_cli", "start_cli"]
+__all__ = ["WarmProcess", "kill_tree", "run_cli", "start_cli"]
 
 
 class WarmProcess:
@@ -141,8 +141,7 @@ def run_cli(
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the command and every process it started
+            kill_tree(proc.pid)  # the command and every process it started
             proc.join(10)
             raise subprocess.TimeoutExpired(
                 ["torsh-dist", *args], timeout, output=_read(out), stderr=_read(err)
@@ -152,6 +151,22 @@ def run_cli(
         return subprocess.CompletedProcess(
             ["torsh-dist", *args], int(proc.exitcode), _read(out), _read(err)
         )
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every process below it (torch's agent starts each
+    worker in a session of its own, out of the group's reach)."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in below:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 def _read(path: Path) -> str:

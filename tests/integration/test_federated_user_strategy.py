@@ -87,15 +87,13 @@ def test_own_flower_app_drives_the_engine_client_app(tmp_path: Path) -> None:
     """examples/flower_app: the user's ServerApp (Flower's FedAvg.start) with the engine's
     ClientApp, through `torsh-dist federated --app`: 2 rounds, both clients train and evaluate,
     and the clients' evaluation loss falls."""
-    import subprocess
-    import sys
+    from torsh_distributed.testing.cli import run_cli
 
     app = HERE.parents[1] / "examples" / "flower_app"
     result = tmp_path / "result.json"
-    cli = [sys.executable, "-m", "torsh_distributed.cli.main", "federated", "--clients", "2",
-           "--run-dir", str(tmp_path / "run"), "--timeout", "500", "--app", str(app),
-           "--app-config", f'num-server-rounds=2 result="{result}"']
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=560, check=False)
+    cli = ["federated", "--clients", "2", "--run-dir", str(tmp_path / "run"), "--timeout", "500",
+           "--app", str(app), "--app-config", f'num-server-rounds=2 result="{result}"']
+    done = run_cli(cli, timeout=560)  # a warm process (torsh_distributed.testing.cli)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads(result.read_text())
     assert sorted(metrics["train"]) == sorted(metrics["evaluate"]) == ["1", "2"]

@@ -2,8 +2,8 @@
 
 :func:`run_cli` runs ``torsh-dist ARGV`` as :func:`subprocess.run` would, and returns the same
 :class:`subprocess.CompletedProcess`, but in a process forked from the harness's forkserver
-(:mod:`torsh_distributed.testing.harness`), which imported torch and the engine once per
-session. A cold ``python -m torsh_distributed.cli.main`` spends about 3.5 CPU-seconds of a 2-core
+(:mod:`torsh_distributed.testing.harness`), which imported torch once per session, and what
+``TORSH_TEST_PRELOAD`` names (the suite's ``tests/conftest.py``: the engine and the trainer). A cold ``python -m torsh_distributed.cli.main`` spends about 3.5 CPU-seconds of a 2-core
 VM importing them before it parses its first flag; a test file that runs a dozen commands pays
 that a dozen times. Everything after the interpreter's start runs as in the console script: the
 process is its own session and process group, its environment, working directory, ``sys.argv``
@@ -101,14 +101,8 @@ def start_cli(
     """Start ``torsh-dist ARGV`` in a warm process and return at once (``subprocess.Popen``'s
     use in tests: a server, a run stopped by a signal). Its stdout and stderr both go to the
     file ``output`` (created or truncated), as with ``stdout=f, stderr=subprocess.STDOUT``."""
-    args = [str(a) for a in argv]
-    environ = dict(os.environ if env is None else env)
-    where = str(Path(cwd) if cwd is not None else Path.cwd())
     Path(output).write_bytes(b"")  # there (and empty) when this returns
-    process = _context().Process(  # type: ignore[attr-defined]
-        target=_command, args=(args, environ, where, str(output), str(output)), daemon=False
-    )
-    process.start()
+    args, process = _start(argv, env, cwd, output, output)
     return WarmProcess(args, process)
 
 
@@ -130,15 +124,9 @@ def run_cli(
         timeout: Seconds; past them the command's process group is killed and
             :class:`subprocess.TimeoutExpired` raised with what it had written.
     """
-    args = [str(a) for a in argv]
-    environ = dict(os.environ if env is None else env)
-    where = str(Path(cwd) if cwd is not None else Path.cwd())
     with tempfile.TemporaryDirectory(prefix="torsh-cli-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = _context().Process(  # type: ignore[attr-defined]
-            target=_command, args=(args, environ, where, str(out), str(err)), daemon=False
-        )
-        proc.start()
+        args, proc = _start(argv, env, cwd, out, err)
         proc.join(timeout)
         if proc.exitcode is None:
             kill_tree(proc.pid)  # the command and every process it started
@@ -151,6 +139,24 @@ def run_cli(
         return subprocess.CompletedProcess(
             ["torsh-dist", *args], int(proc.exitcode), _read(out), _read(err)
         )
+
+
+def _start(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None,
+    cwd: str | os.PathLike[str] | None,
+    out: str | os.PathLike[str],
+    err: str | os.PathLike[str],
+) -> tuple[list[str], Any]:
+    """The command's arguments as strings, and its started process."""
+    args = [str(a) for a in argv]
+    environ = dict(os.environ if env is None else env)
+    where = str(Path(cwd) if cwd is not None else Path.cwd())
+    process = _context().Process(  # type: ignore[attr-defined]
+        target=_command, args=(args, environ, where, str(out), str(err)), daemon=False
+    )
+    process.start()
+    return args, process
 
 
 def kill_tree(pid: int) -> None:

@@ -305,6 +305,13 @@ def _dims_and_profiler(trace: str) -> dict:
     from torsh_distributed.comm import dims as dims_mod
 
     d = ParallelDims(dp=-1, tp=2).build()
+    sub_meshes = []  # the engine asks for the data rank at every step: no sub-mesh built for it
+    original = type(d.mesh).__getitem__
+    type(d.mesh).__getitem__ = lambda mesh, key: sub_meshes.append(key) or original(mesh, key)
+    try:
+        data_rank = d.data_rank()
+    finally:
+        type(d.mesh).__getitem__ = original
     tp = dist.get_process_group_ranks(d.group("tp"))
     dp = dist.get_process_group_ranks(d.group("dp"))
     hosts = d.num_nodes, d.hierarchical  # one host name for all ranks: one node
@@ -323,6 +330,7 @@ def _dims_and_profiler(trace: str) -> dict:
     return {
         "tp": tp,
         "dp": dp,
+        "data_rank": (data_rank, sub_meshes),
         "hosts": hosts,
         "intra": intra,
         "inter": inter,
@@ -338,6 +346,7 @@ def test_parallel_dims_groups_probe_and_merged_trace(tmp_path):
     results = run_distributed(_dims_and_profiler, 4, args=(str(trace),), timeout=180)
     r1 = results[1]
     assert r1["tp"] == [0, 1] and r1["dp"] == [1, 3]
+    assert [r["data_rank"] for r in results] == [(0, []), (0, []), (1, []), (1, [])]
     assert r1["hosts"] == (1, False)
     assert r1["intra"] == [0, 1] and r1["inter"] == [1, 3]
     assert results[3]["intra"] == [2, 3] and results[3]["inter"] == [1, 3]

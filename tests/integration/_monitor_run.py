@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 from torsh_distributed.monitor.step import SLOW_RANK_ENV
 from torsh_distributed.testing.cli import start_cli
 
-TRAIN = [sys.executable, "-m", "torsh_distributed.cli.main", "train", "--nproc-per-node", "2",
+TRAIN = ["train", "--nproc-per-node", "2",  # torsh-dist's arguments (start_cli)
          "--preset", "tiny", "--data.max-bytes", "300000", "--eval-batches", "1",
          "--batch-size", "16", "--log-every", "5"]
 
@@ -27,7 +26,7 @@ class TrainingRun:
             env[SLOW_RANK_ENV] = slow_rank
         self.log = log
         # a warm process (torsh_distributed.testing.cli), leading its own process group
-        self.proc = start_cli([*TRAIN[3:], *args], output=log, env=env)
+        self.proc = start_cli([*TRAIN, *args], output=log, env=env)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]

@@ -41,7 +41,10 @@ def _run_until(fault: str, wanted: str, *extra: str, timeout: float = 120) -> st
             follow.close()
             # torch starts every worker in its own session: kill the launcher's whole tree
             # (SIGKILL also ends the stopped rank, which would sit on a SIGTERM).
-            tree = psutil.Process(proc.pid).children(recursive=True)
+            try:
+                tree = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:  # it ended first: the assertion on its output says why
+                tree = []
             kill_tree(proc.pid)
             proc.wait(timeout=30)
             psutil.wait_procs(tree, timeout=30)

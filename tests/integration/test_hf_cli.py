@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from torsh_distributed.testing import find_free_port  # noqa: E402
 from torsh_distributed.testing.cli import run_cli, start_cli
 from torsh_distributed.testing.hf import write_jsonl, write_tiny_llama  # noqa: E402
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 QUICK = ["--max-steps", "4", "--batch-size", "8", "--eval-batches", "1", "--progress", "false",
          "--checkpoint-every", "4"]
 

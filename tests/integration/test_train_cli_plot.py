@@ -13,7 +13,6 @@ import pytest
 
 from torsh_distributed.testing.cli import run_cli
 
-CLI = [sys.executable, "-m", "torsh_distributed.cli.main"]
 QUICK = ["--preset", "tiny", "--data.max-bytes", "200000", "--max-steps", "4", "--batch-size",
          "8", "--eval-every", "2", "--eval-batches", "1", "--progress", "false"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -99,6 +99,16 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
             "torsh-dist train: error: batch_size 6 is not divisible by the 4 data-parallel ranks of "
             "2 replica groups; choose a multiple of 4",
         ),
+        (
+            ["train", "--nproc-per-node", "4", "--ft.replica-groups", "2", "--nnodes", "1:1",
+             "--batch-size", "6"],
+            "torsh-dist train: error: batch_size 6 is not divisible by the 4 data-parallel ranks of "
+            "2 replica groups; choose a multiple of 4",
+        ),
+        (
+            ["train", "--nproc-per-node", "4", "--ft.replica-groups", "2", "--nnodes", "2"],
+            "torsh-dist train: error: --ft.replica-groups runs on one node (--nnodes 1) for now",
+        ),
         (["run", "--nproc-per-node", "0", "x.py"], "torsh-dist run: error: nproc_per_node must be >= 1, got 0"),
         (
             ["generate", "--checkpoint", "runs/none", "--prompt", "a", "--top-p", "2"],
@@ -111,7 +121,8 @@ def test_help_imports_no_torch_nor_optional_subsystems(path: list[str]):
         ),
     ],
     ids=["train-nproc-0", "train-lr", "train-lr-scaling", "train-tp-3", "train-batch-33",
-         "train-ft-group-degrees", "train-ft-group-batch", "run-nproc-0", "generate-top-p", "train-experiment"],
+         "train-ft-group-degrees", "train-ft-group-batch", "train-ft-elastic-1-node",
+         "train-ft-nodes", "run-nproc-0", "generate-top-p", "train-experiment"],
 )
 def test_refusal_is_one_line_and_imports_no_torch(argv: list[str], line: str):
     code, loaded, out, err = _run(*argv)

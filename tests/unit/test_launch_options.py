@@ -232,22 +232,27 @@ def test_report_of_a_crash_without_traceback(tmp_path: Path) -> None:
 
 def test_the_node_hosting_the_rendezvous_says_what_it_waits_for_and_how_to_join() -> None:
     """Node 0 of a multi-node job used to wait up to the rendezvous timeout without a word."""
+    from torsh_distributed.elastic._rendezvous import plan
     from torsh_distributed.elastic.launch import _hosting_line
 
-    two = _hosting_line(LaunchOptions(nnodes="2"), "static", "10.0.0.1", 29500)
-    assert two == (
+    two = LaunchOptions(nnodes="2", master_addr="10.0.0.1", master_port=29500)
+    assert _hosting_line(two, plan(two), "10.0.0.1", 29500) == (
         "torsh-dist: node 0 of 2 hosts the rendezvous at 10.0.0.1:29500 and waits up to 900 s for "
         "the other node: start it with the same command and --node-rank 1 --master-addr 10.0.0.1 "
         "--master-port 29500"
     )
-    four = _hosting_line(LaunchOptions(nnodes="4"), "static", "127.0.0.1", 29501)
-    assert "for the other 3 nodes: start them with the same command and --node-rank 1 to 3" in four
-    assert four.endswith("(127.0.0.1: only nodes on this machine reach it)")
-    elastic = _hosting_line(
-        LaunchOptions(nnodes="2:3", rdzv_endpoint="10.0.0.1:29400"), "c10d", "10.0.0.1", 29400
-    )
-    assert elastic == (
+    four = LaunchOptions(nnodes="4", master_port=29501)
+    line = _hosting_line(four, plan(four), "127.0.0.1", 29501)
+    assert "for the other 3 nodes: start them with the same command and --node-rank 1 to 3" in line
+    assert line.endswith("(127.0.0.1: only nodes on this machine reach it)")
+    elastic = LaunchOptions(nnodes="2:3", rdzv_endpoint="10.0.0.1:29400",
+                            rdzv_conf={"join_timeout": "120"})
+    assert _hosting_line(elastic, plan(elastic), "10.0.0.1", 29400) == (
         "torsh-dist: this node hosts the rendezvous at 10.0.0.1:29400 (c10d, 2 to 3 nodes, waiting "
-        "up to 900 s for 2); other nodes join with the same command and --nnodes 2:3 "
-        "--rdzv-endpoint 10.0.0.1:29400"
+        "up to 120 s for 2); other nodes join with the same command and --nnodes 2:3 "
+        "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400"
+    )
+    static = LaunchOptions(nnodes="2", rdzv_endpoint="10.0.0.1:29400", rdzv_backend="static")
+    assert _hosting_line(static, plan(static), "10.0.0.1", 29400).endswith(
+        "--node-rank 1 --rdzv-backend static --rdzv-endpoint 10.0.0.1:29400"
     )

@@ -31,16 +31,16 @@ def precheck_world(config: TrainConfig, world_size: int) -> None:
     try:
         degrees = check_degrees(config.parallel, world_size)
     except ValueError as exc:
-        if not config.ft.enabled:
+        if not config.ft.enabled or "world size" not in str(exc):
             raise
         groups = config.ft.replica_groups
         raise ValueError(f"{exc} (one of {groups} replica groups' ranks)") from None
     data_ranks = degrees["dp"] * degrees["ep"]  # ParallelDims.data_degree
-    config.check_world(data_ranks)
-    check_sharding(config.parallel, data_ranks)
-    if config.ft.enabled:
+    if config.ft.enabled:  # the batch splits over the groups first: say so in the refusal
         config.ft.check_batch(config.batch_size, data_ranks=data_ranks,
                               grad_accum=config.grad_accum)
+    config.check_world(data_ranks)
+    check_sharding(config.parallel, data_ranks)
 
 
 def check_world(config: TrainConfig, world_size: int, user: UserFactories | None) -> None:

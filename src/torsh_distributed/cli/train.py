@@ -481,10 +481,11 @@ def _handle(args: argparse.Namespace) -> int:
 
         precheck_tracking(config.monitor)  # an unreachable server: refused before torch loads
     if config.ft.enabled and not inside_launch and options.nnodes not in ("1", "1:1"):
-        raise SystemExit("error: --ft.replica-groups runs on one node (--nnodes 1) for now")
-    fixed = not inside_launch and scaled is None and ":" not in options.nnodes
+        raise ValueError("--ft.replica-groups runs on one node (--nnodes 1) for now")
+    fixed = not inside_launch and scaled is None and (config.ft.enabled or ":" not in options.nnodes)
+    nodes = 1 if config.ft.enabled or not fixed else int(options.nnodes)
     if fixed:  # before torch; with replica groups, the degrees split one group's ranks
-        precheck_world(config, launch_world(config, options.nproc_per_node * int(options.nnodes)))
+        precheck_world(config, launch_world(config, options.nproc_per_node * nodes))
     if not inside_launch and _launches(options, ft=config.ft.enabled):
         from torsh_distributed.elastic import _warm
 
@@ -503,7 +504,7 @@ def _handle(args: argparse.Namespace) -> int:
     if not inside_launch and config.energy.meter in ("rapl", "nvml") and options.nnodes in ("1", "1:1"):
         check_meter(config)
     elif fixed:  # a fixed world: check what depends on its size
-        check_world(config, launch_world(config, options.nproc_per_node * int(options.nnodes)), user)
+        check_world(config, launch_world(config, options.nproc_per_node * nodes), user)
     if scaled is not None and not inside_launch:
         return launch_scaled(config, user, options, scaled, check_world=check_world)
     alone = options.nproc_per_node == 1 and options.nnodes in ("1", "1:1") and not config.ft.enabled

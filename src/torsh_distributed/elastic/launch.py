@@ -147,8 +147,9 @@ def _check_network(options: LaunchOptions, plan: _Plan) -> None:
             flush=True,
         )
     if hosts_store:
-        print(_hosting_line(options, plan.backend, route.master_ip, port), file=sys.stderr,
-              flush=True)
+        if plan.configs.get("is_host", True):  # c10d: another agent here may host it instead
+            print(_hosting_line(options, plan, route.master_ip, port), file=sys.stderr,
+                  flush=True)
         return
 
     def waiting(seconds: float) -> None:
@@ -168,25 +169,30 @@ def _check_network(options: LaunchOptions, plan: _Plan) -> None:
     )
 
 
-def _hosting_line(options: LaunchOptions, backend: str, address: str, port: int) -> str:
+def _hosting_line(options: LaunchOptions, plan: _Plan, address: str, port: int) -> str:
     """What the node hosting the rendezvous waits for, and how the others join it: otherwise
     it waits up to the rendezvous timeout without a word while no other node is started."""
-    if backend == "c10d":
+    if options.rdzv_endpoint is not None:
+        join = f"--rdzv-backend {plan.backend} --rdzv-endpoint {address}:{port}"
+    else:
+        join = f"--master-addr {address} --master-port {port}"
+    if plan.backend == "c10d":  # torch's c10d handler waits join_timeout (600 s by default)
+        wait = int(float(plan.configs.get("join_timeout", 600)))
         line = (
             f"torsh-dist: this node hosts the rendezvous at {address}:{port} (c10d, "
-            f"{options.min_nodes} to {options.max_nodes} nodes, waiting up to {_RDZV_TIMEOUT_S} s "
+            f"{options.min_nodes} to {options.max_nodes} nodes, waiting up to {wait} s "
             f"for {options.min_nodes}); other nodes join with the same command and --nnodes "
-            f"{options.nnodes} --rdzv-endpoint {address}:{port}"
+            f"{options.nnodes} {join}"
         )
     else:
         others = options.max_nodes - 1
         ranks = "1" if others == 1 else f"1 to {others}"
         line = (
             f"torsh-dist: node {options.node_rank} of {options.max_nodes} hosts the rendezvous at "
-            f"{address}:{port} and waits up to {_RDZV_TIMEOUT_S} s for the other "
-            f"{'node' if others == 1 else f'{others} nodes'}: start "
+            f"{address}:{port} and waits up to {int(plan.configs.get('timeout', _RDZV_TIMEOUT_S))} "
+            f"s for the other {'node' if others == 1 else f'{others} nodes'}: start "
             f"{'it' if others == 1 else 'them'} with the same command and --node-rank {ranks} "
-            f"--master-addr {address} --master-port {port}"
+            f"{join}"
         )
     if _is_loopback(address):
         line += f" ({address}: only nodes on this machine reach it)"

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +54,7 @@ class WarmProcess:
     def poll(self) -> int | None:
         if self.returncode is None and self._process.exitcode is not None:
             self.returncode = int(self._process.exitcode)
+            _LIVE.discard(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -124,21 +128,46 @@ def run_cli(
         timeout: Seconds; past them the command's process group is killed and
             :class:`subprocess.TimeoutExpired` raised with what it had written.
     """
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="torsh-cli-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         args, proc = _start(argv, env, cwd, out, err)
-        proc.join(timeout)
-        if proc.exitcode is None:
-            kill_tree(proc.pid)  # the command and every process it started
+        try:
+            proc.join(timeout)
+            # as subprocess.run: done when every process that holds its output let go (its
+            # workers' forkserver a moment after it), or the time is up
+            while proc.exitcode is not None and time.monotonic() < deadline and _holding(out, err):
+                time.sleep(0.05)
+        except BaseException:  # pytest's timeout, Ctrl-C: the command goes with the test
+            kill_tree(proc.pid)
+            proc.join(10)
+            raise
+        holders = _holding(out, err)
+        if proc.exitcode is None or holders:
+            for pid in {proc.pid, *holders}:
+                kill_tree(pid)  # the command and every process it started
             proc.join(10)
             raise subprocess.TimeoutExpired(
                 ["torsh-dist", *args], timeout, output=_read(out), stderr=_read(err)
             )
+        _LIVE.discard(proc.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing of it outlives the command
+            os.killpg(proc.pid, signal.SIGKILL)
         return subprocess.CompletedProcess(
             ["torsh-dist", *args], int(proc.exitcode), _read(out), _read(err)
         )
+
+
+def _holding(*paths: Path) -> set[int]:
+    """The processes with one of ``paths`` open (read from ``/proc``; none where it is missing)."""
+    wanted = {str(p.resolve()) for p in paths}
+    found: set[int] = set()
+    for entry in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            if os.readlink(entry) in wanted:
+                found.add(int(entry.parts[2]))
+    found.discard(os.getpid())
+    return found
 
 
 def _start(
@@ -152,11 +181,49 @@ def _start(
     args = [str(a) for a in argv]
     environ = dict(os.environ if env is None else env)
     where = str(Path(cwd) if cwd is not None else Path.cwd())
+    paths = (os.path.abspath(out), os.path.abspath(err))  # the child changes directory first
     process = _context().Process(  # type: ignore[attr-defined]
-        target=_command, args=(args, environ, where, str(out), str(err)), daemon=False
+        target=_command, args=(args, environ, where, *paths, _default_path()), daemon=False
     )
     process.start()
+    _LIVE.add(process.pid)
     return args, process
+
+
+_LIVE: set[int] = set()
+"""Commands started and not seen to end: killed with their trees when this process exits, before
+multiprocessing's own exit handler would wait for them (a test stopped by its timeout)."""
+
+
+@atexit.register
+def _kill_live() -> None:
+    import psutil
+
+    for pid in list(_LIVE):
+        with contextlib.suppress(psutil.Error):
+            if not _is_forkserver_child(pid):
+                continue  # that pid is someone else's now
+            kill_tree(pid)
+
+
+def _is_forkserver_child(pid: int) -> bool:
+    """Whether ``pid``'s parent is a forkserver of this process (how commands are started)."""
+    import psutil
+
+    parent = psutil.Process(pid).parent()
+    return parent is not None and parent.ppid() == os.getpid()
+
+
+@functools.cache
+def _default_path() -> list[str]:
+    """``sys.path`` of a fresh interpreter here without ``PYTHONPATH`` (stdlib, site-packages,
+    the editable install), less its first entry (the script's or working directory)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+        capture_output=True, text=True, env=env, check=True, timeout=60,
+    )  # fmt: skip
+    return list(json.loads(done.stdout))
 
 
 def kill_tree(pid: int) -> None:
@@ -182,16 +249,25 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _command(
+    argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, path: list[str]
+) -> None:
     """The forked process: become the command, run it, exit with its status."""
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for extra in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
-        sys.path.insert(0, extra)
-    sys.path.insert(0, cwd)
+    # as `python -m`: the working directory, PYTHONPATH, then the interpreter's own path (not the
+    # test runner's, which holds the test directories)
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *extra, *path]
     sys.argv = ["torsh-dist", *argv]
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)  # unset, as in a fresh interpreter
+    from torsh_distributed.runtime.busy import sleeping_openmp_waits
+
+    sleeping_openmp_waits()  # the console script's first act: its processes inherit the choice
     for fd, path in ((1, out), (2, err)):
         if fd == 2 and err == out:  # one file for both, as stderr=subprocess.STDOUT
             os.dup2(1, 2)
@@ -227,8 +303,11 @@ def _command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str)
         traceback.print_exc()
     finally:
         with contextlib.suppress(BaseException):
+            threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter: threads first
+        with contextlib.suppress(BaseException):
             atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             with contextlib.suppress(BaseException):
-                stream.flush()
-    os._exit(code)
+                if stream is not None:
+                    stream.flush()
+    os._exit(code if isinstance(code, int) else 1)

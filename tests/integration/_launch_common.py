@@ -63,7 +63,8 @@ def reference_summary() -> dict[str, Any]:
         out = Path(tmp) / "summary.json"
         proc = run_cli(  # a warm process (torsh_distributed.testing.cli)
             ["train", "--nproc-per-node", "2", *FLAGS, "--summary-json", str(out)],
-            timeout=240, cwd=tmp,
+            timeout=240,
+            cwd=tmp,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return json.loads(out.read_text())
@@ -116,14 +117,58 @@ def profiler_running() -> bool:
 
 def hang_on_rank_1(hang_s: float, mark: str) -> int:
     """Rank 1 never reaches the collective (a hung rank); rank 0 waits in it, having written
-    the wall-clock time it started waiting to ``mark``."""
+    the wall-clock time it started waiting to ``mark``, and the time its collective gave up to
+    ``mark + ".raised"``."""
     if dist.get_rank() == 1:
         time.sleep(hang_s)
     else:
         Path(mark).write_text(repr(time.time()))
     tensor = torch.ones(1)
-    dist.all_reduce(tensor)
+    try:
+        dist.all_reduce(tensor)
+    except Exception:
+        Path(mark + ".raised").write_text(repr(time.time()))
+        raise
     return int(tensor.item())
+
+
+class HangTimeline:
+    """When a launcher's driver built its error for a hung job (``failure_error``, patched in
+    with :meth:`watch`), for :meth:`check`'s account of where the time went."""
+
+    def __init__(self) -> None:
+        self.failed_at: float | None = None
+
+    def watch(self, monkeypatch: Any) -> None:
+        from torsh_distributed.launch import _workers
+
+        original = _workers.failure_error
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.failed_at = time.time()
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_workers, "failure_error", recorded)
+
+    def check(self, mark: Path, timeout_s: float, *, slack_s: float = 10.0) -> None:
+        """The hung job ended because rank 0's collective timed out at ``timeout_s`` (not at the
+        600 s the hung rank sleeps), and each step after that took at most ``slack_s``: rank 0
+        giving up, the driver hearing of it (rank 0's clean-up, the launcher's transport,
+        ``GRACE_S`` for the other rank), the launcher's own clean-up. Each bound has its own
+        message, so a slow step is named."""
+        from torsh_distributed.launch._workers import GRACE_S
+
+        returned = time.time()
+        waiting = float(mark.read_text())
+        raised = float(Path(f"{mark}.raised").read_text())
+        assert self.failed_at is not None, "the driver never built the job's error"
+        steps = (
+            f"waiting at {waiting:.2f}, rank 0 raised +{raised - waiting:.2f} s, the driver's "
+            f"error +{self.failed_at - raised:.2f} s, returned +{returned - self.failed_at:.2f} s"
+        )
+        assert timeout_s - 0.1 <= raised - waiting <= timeout_s + slack_s, steps
+        assert self.failed_at - raised <= GRACE_S + slack_s, steps
+        assert returned - self.failed_at <= slack_s, steps
 
 
 def fail_on_rank_1(mark: str) -> int:

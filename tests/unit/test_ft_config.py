@@ -37,7 +37,10 @@ def test_bad_settings_are_refused_by_name(kwargs: dict, match: str) -> None:
     ("kwargs", "match"),
     [
         ({"parallel": ParallelConfig(pp=2)}, r"cannot run with --pp 2"),
-        ({"optim": OptimConfig(optimizer="onebit_adam")}, r"does not support --optimizer onebit_adam"),
+        (
+            {"optim": OptimConfig(optimizer="onebit_adam")},
+            r"does not support --optimizer onebit_adam",
+        ),
         ({"batch_size": 33}, r"batch_size 33 is not divisible by ft.replica_groups 2"),
     ],
 )
@@ -125,8 +128,9 @@ def test_the_degrees_and_the_batch_split_one_groups_ranks() -> None:
     from torsh_distributed.cli._train_checks import launch_world, precheck_world
     from torsh_distributed.train.config import TrainConfig
 
-    cfg = TrainConfig(ft=FTConfig(replica_groups=2), parallel=ParallelConfig(tp=2, dp=1),
-                      batch_size=2)
+    cfg = TrainConfig(
+        ft=FTConfig(replica_groups=2), parallel=ParallelConfig(tp=2, dp=1), batch_size=2
+    )
     assert launch_world(cfg, 4) == 2
     precheck_world(cfg, launch_world(cfg, 4))  # 2 groups x 1 data rank: 1 sample each
     assert launch_world(TrainConfig(), 4) == 4
@@ -141,3 +145,23 @@ def test_the_degrees_and_the_batch_split_one_groups_ranks() -> None:
         ft.check_batch(6, data_ranks=2)
     with pytest.raises(ValueError, match=r"grad_accum 4 must divide the per-rank batch 2"):
         ft.check_batch(8, data_ranks=2, grad_accum=4)
+
+
+@pytest.mark.parametrize(
+    ("codes", "cause"),
+    [
+        ([None, None, None, None], None),
+        ([None, 0, None, 0], None),
+        # rank 3 SIGKILLed; its TP peer rank 2 exited on the closed socket: one poll sees both
+        ([None, None, 1, -9], 3),
+        ([None, 1, None, None], 1),
+        ([2, 1, None, None], 0),
+        ([1, -11, -9, None], 1),
+    ],
+)
+def test_the_cause_of_a_groups_failure_is_the_signalled_rank(
+    codes: list[int | None], cause: int | None
+) -> None:
+    from torsh_distributed.ft.launch import _cause
+
+    assert _cause(codes) == cause

@@ -57,7 +57,6 @@ def test_nodes_follow_the_series_and_the_loss_is_the_uninterrupted_runs(tmp_path
     ref = json.loads((tmp_path / "ref.json").read_text())
     series = tmp_path / "s.csv"
     _write_series(series, round(time.time(), 3) - 1.0, [DIRTY] * 900 + [CLEAN])  # dirty for 15 minutes
-    clean_at = math.nan
     with NetLab(hosts=2, rate_mbit=0, net=73) as lab:
         procs = []
         for host in range(2):
@@ -67,22 +66,35 @@ def test_nodes_follow_the_series_and_the_loss_is_the_uninterrupted_runs(tmp_path
                     "--summary-json", str(tmp_path / "scaled.json")]
             env = {**_env(), "TORSH_FAULT": "slow:rank=0:ms=20"}
             procs.append(lab.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        node1 = ThreadPoolExecutor(1).submit(procs[1].communicate, timeout=240)
-        lines = []
-        assert procs[0].stdout is not None
-        for raw in procs[0].stdout:
-            line = raw.decode(errors="replace")
-            lines.append(line)
-            if math.isnan(clean_at) and FIRST_STEP in line:
-                clean_at = round(time.time(), 3)
-                _write_series(series, clean_at - 1.0, [DIRTY] + [CLEAN] * 900)  # clean from now on
+        pool = ThreadPoolExecutor(2)
+        node1 = pool.submit(procs[1].communicate, timeout=None)
+        lines: list[str] = []
+        changed: list[float] = []
+
+        def follow_node0() -> None:  # the series changes once node 0 trained its first step
+            assert procs[0].stdout is not None
+            for raw in procs[0].stdout:
+                lines.append(raw.decode(errors="replace"))
+                if not changed and FIRST_STEP in lines[-1]:
+                    changed.append(round(time.time(), 3))
+                    _write_series(series, changed[0] - 1.0, [DIRTY] + [CLEAN] * 900)  # clean from now on
+
+        reader = pool.submit(follow_node0)
         try:
-            procs[0].wait(timeout=240)
-            out1 = node1.result(timeout=240)[0]
+            reader.result(timeout=240)
+            procs[0].wait(timeout=60)
+            out1 = node1.result(timeout=60)[0]
         except (subprocess.TimeoutExpired, TimeoutError):
             for proc in procs:
                 proc.kill()
-            raise
+            lab.kill_host(0)
+            lab.kill_host(1)
+            out1 = node1.result(timeout=30)[0]
+            pytest.fail("a node did not end within 240 s; node 0's output, then node 1's:\n"
+                        + "".join(lines)[-4000:] + "\n=====\n" + out1.decode(errors="replace")[-4000:])
+        finally:
+            pool.shutdown(wait=False)
+        clean_at = changed[0] if changed else math.nan
         outs = ["".join(lines), out1.decode(errors="replace")]
     assert [p.returncode for p in procs] == [0, 0], "\n=====\n".join(o[-3000:] for o in outs)
     data = json.loads((tmp_path / "scaled.json").read_text())

@@ -165,3 +165,15 @@ def test_the_cause_of_a_groups_failure_is_the_signalled_rank(
     from torsh_distributed.ft.launch import _cause
 
     assert _cause(codes) == cause
+
+
+@pytest.mark.parametrize(("groups", "dp", "per_rank"), [(1, 2, 16), (2, 1, 16), (2, 2, 8), (4, 2, 4)])
+def test_the_plans_per_rank_batch_splits_over_the_groups_first(
+    groups: int, dp: int, per_rank: int
+) -> None:
+    """The per-rank batch the run announces, samples/s counts and the memory estimate uses:
+    ``batch_size / (replica_groups x dp)``; ``world_size`` is one group's."""
+    from torsh_distributed.engine._plan import plan_run
+
+    cfg = EngineConfig(batch_size=32, ft=FTConfig(replica_groups=groups))
+    assert plan_run(cfg, world_size=dp, tp_plan=None).per_dp == per_rank

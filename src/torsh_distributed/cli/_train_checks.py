@@ -39,7 +39,8 @@ def precheck_world(config: TrainConfig, world_size: int) -> None:
     if config.ft.enabled:  # the batch splits over the groups first: say so in the refusal
         config.ft.check_batch(config.batch_size, data_ranks=data_ranks,
                               grad_accum=config.grad_accum)
-    config.check_world(data_ranks)
+    else:
+        config.check_world(data_ranks)
     check_sharding(config.parallel, data_ranks)
 
 

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from torsh_distributed.comm.degrees import check_degrees
 from torsh_distributed.data.sampler import GlobalSampler, shard
 from torsh_distributed.engine import _setup as S
 from torsh_distributed.engine._run import Run
@@ -41,12 +40,7 @@ class FTRun(Run):
         self.ft = ReplicaGroups(
             self.cfg.ft, group_rank=self.runtime.rank, group_size=self.runtime.world_size
         )  # refuses a run not started by the replica-group launcher, before any collective
-        degrees = check_degrees(self.cfg.parallel, self.runtime.world_size)
-        self.cfg.ft.check_batch(  # each group takes its share, split over its data ranks
-            self.cfg.batch_size, data_ranks=degrees["dp"] * degrees["ep"],
-            grad_accum=self.cfg.grad_accum,
-        )
-        super().setup()
+        super().setup()  # its plan splits the batch over the groups, then a group's data ranks
         self.ft.attach(
             self,
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),

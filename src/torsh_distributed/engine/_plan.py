@@ -68,7 +68,11 @@ def plan_run(
     degrees = check_degrees(par, world_size)
     dims = ParallelDims(**degrees, world_size=world_size, device_type=device_type,
                         node_assignment=nodes)
-    per_dp = config.check_world(dims.data_degree)  # ep ranks hold different samples
+    if config.ft.enabled:  # world_size is one replica group's: the groups split the batch first
+        per_dp = config.ft.check_batch(config.batch_size, data_ranks=dims.data_degree,
+                                       grad_accum=config.grad_accum)
+    else:
+        per_dp = config.check_world(dims.data_degree)  # ep ranks hold different samples
     check_world(par, dims.data_degree)  # FSDP2 shards dense parameters over dp x ep
     if dims.ep > 1 and config.compression.enabled:
         raise ValueError(

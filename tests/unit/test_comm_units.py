@@ -14,6 +14,7 @@ from torsh_distributed.cli.main import build_parser
 from torsh_distributed.comm import CostModel, LinkCost, ParallelDims, ReduceOp
 from torsh_distributed.comm.algorithms import buckets
 from torsh_distributed.comm.config import CommConfig
+from torsh_distributed.comm.degrees import WorldSizeMismatch
 from torsh_distributed.comm.profiler import Event, Profiler, busbw_factor
 from torsh_distributed.comm.reduce_op import check_dtype, combine_, finish_mean_
 
@@ -66,9 +67,10 @@ def test_parallel_dims_validation():
         ValueError, match=r"dp \* tp \* pp \* ep = pp=2 \* dp=2 \* ep=1 \* tp=1 = 4 != world size 8"
     ):
         ParallelDims(dp=2, pp=2, world_size=8)
-    with pytest.raises(ValueError, match="only one degree may be -1, got dp, tp"):
+    with pytest.raises(ValueError, match="only one degree may be -1, got dp, tp") as bad:
         ParallelDims(dp=-1, tp=-1, world_size=8)
-    with pytest.raises(ValueError, match="world size 6 is not divisible by the fixed degrees"):
+    assert not isinstance(bad.value, WorldSizeMismatch)  # wrong degrees, whatever the world
+    with pytest.raises(WorldSizeMismatch, match="world size 6 is not divisible by the fixed degrees"):
         ParallelDims(dp=-1, tp=4, world_size=6)
     with pytest.raises(ValueError, match="tp must be a positive int or -1"):
         ParallelDims(tp=0, world_size=2)

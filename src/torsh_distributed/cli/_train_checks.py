@@ -25,13 +25,13 @@ def precheck_world(config: TrainConfig, world_size: int) -> None:
     """The part of :func:`check_world` that needs no torch (degrees, the batch split, ZeRO's
     data-parallel ranks): run before anything imports it, so such a refusal takes 0.2 s.
     ``world_size``: the ranks the degrees split (one replica group's, :func:`launch_world`)."""
-    from torsh_distributed.comm.degrees import check_degrees
+    from torsh_distributed.comm.degrees import WorldSizeMismatch, check_degrees
     from torsh_distributed.parallel.config import check_world as check_sharding
 
     try:
         degrees = check_degrees(config.parallel, world_size)
-    except ValueError as exc:
-        if not config.ft.enabled or "world size" not in str(exc):
+    except WorldSizeMismatch as exc:
+        if not config.ft.enabled:
             raise
         groups = config.ft.replica_groups
         raise ValueError(f"{exc} (one of {groups} replica groups' ranks)") from None

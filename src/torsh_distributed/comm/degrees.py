@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-__all__ = ["AXES", "check_degrees", "resolve_degrees"]
+__all__ = ["AXES", "WorldSizeMismatch", "check_degrees", "resolve_degrees"]
 
 AXES = ("pp", "dp", "ep", "tp")
 """Mesh axes, outermost first: ``tp`` is innermost so its ranks are neighbours (same node)."""
@@ -17,6 +17,11 @@ class _Degrees(Protocol):
     tp: int
     pp: int
     ep: int
+
+
+class WorldSizeMismatch(ValueError):
+    """Valid degrees whose product does not fit the world size (a caller that checks against a
+    part of the world, such as one replica group, can say so)."""
 
 
 def resolve_degrees(degrees: dict[str, int], world_size: int) -> dict[str, int]:
@@ -38,13 +43,13 @@ def resolve_degrees(degrees: dict[str, int], world_size: int) -> dict[str, int]:
     resolved = {n: degrees[n] for n in AXES}
     if free:
         if world_size % fixed:
-            raise ValueError(
+            raise WorldSizeMismatch(
                 f"world size {world_size} is not divisible by the fixed degrees "
                 f"({described} = {fixed}); {free[0]} cannot fill the rest"
             )
         resolved[free[0]] = world_size // fixed
     elif fixed != world_size:
-        raise ValueError(
+        raise WorldSizeMismatch(
             f"dp * tp * pp * ep = {described} = {fixed} != world size {world_size}; "
             "use -1 for one degree to take the rest"
         )
@@ -56,5 +61,7 @@ def check_degrees(config: _Degrees, world_size: int) -> dict[str, int]:
     world size they were checked against."""
     try:
         return resolve_degrees({n: getattr(config, n) for n in AXES}, world_size)
+    except WorldSizeMismatch as exc:
+        raise WorldSizeMismatch(f"parallel degrees do not match the world size: {exc}") from None
     except ValueError as exc:
-        raise ValueError(f"parallel degrees do not match the world size: {exc}") from None
+        raise ValueError(f"invalid parallel degrees: {exc}") from None

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from torsh_distributed.testing.harness import _context
+from torsh_distributed.testing.harness import _context, omp_threads
 
 __all__ = ["WarmProcess", "kill_tree", "run_cli", "start_cli"]
 
@@ -132,17 +132,20 @@ def run_cli(
     with tempfile.TemporaryDirectory(prefix="torsh-cli-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         args, proc = _start(argv, env, cwd, out, err)
+        holders: set[int] = set()
         try:
             proc.join(timeout)
             # as subprocess.run: done when every process that holds its output let go (its
             # workers' forkserver a moment after it), or the time is up
-            while proc.exitcode is not None and time.monotonic() < deadline and _holding(out, err):
+            while proc.exitcode is not None:
+                holders = _holding(out, err)
+                if not holders or time.monotonic() >= deadline:
+                    break
                 time.sleep(0.05)
         except BaseException:  # pytest's timeout, Ctrl-C: the command goes with the test
             kill_tree(proc.pid)
             proc.join(10)
             raise
-        holders = _holding(out, err)
         if proc.exitcode is None or holders:
             for pid in {proc.pid, *holders}:
                 kill_tree(pid)  # the command and every process it started
@@ -282,11 +285,11 @@ def _command(
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    threads = env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
+    threads = omp_threads(env)
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
     code = 1
     try:
         from torsh_distributed.cli.main import main

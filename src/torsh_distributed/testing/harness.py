@@ -117,11 +117,13 @@ def _share_cores(ranks: int) -> None:
     threads each on 2 cores spin in OpenMP's waits: 12 % more CPU for two harness-heavy files)."""
     import torch
 
-    wanted = os.environ.get("OMP_NUM_THREADS", "")
-    if wanted.isdigit() and int(wanted) > 0:
-        torch.set_num_threads(int(wanted))
-    else:
-        torch.set_num_threads(max(1, usable_cores() // max(1, ranks)))
+    torch.set_num_threads(omp_threads(os.environ) or max(1, usable_cores() // max(1, ranks)))
+
+
+def omp_threads(env: Mapping[str, str]) -> int | None:
+    """``OMP_NUM_THREADS`` of ``env`` as a positive int; ``None`` when unset or not one."""
+    text = env.get("OMP_NUM_THREADS", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _worker(task: _Task, results: Any) -> None:

@@ -55,3 +55,18 @@ def test_a_client_trains_at_the_threads_its_process_was_given() -> None:
         assert torch.get_num_threads() == 1  # the engine's own default here: usable_cores() // 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_batch_the_client_ranks_cannot_split_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match=r"client.batch_size 7 is split among the client's 2 ranks"):
+        ClientConfig(nproc=2, batch_size=7)
+
+
+def test_a_failed_client_job_names_the_client_and_shows_the_ranks_error() -> None:
+    """A rank of the client's job raises (here: a model whose forward fails): the round's error
+    names the client and carries that rank's traceback, not the launcher's."""
+    bad = TaskConfig(model=f"{TOY}:make_broken_model", dataset=f"{TOY}:dataset")
+    ok = _config(nproc=2)
+    config = FederatedConfig(partition="iid", clients=2, task=bad, client=ok.client)
+    with pytest.raises(RuntimeError, match=r"(?s)client 1's 2-rank job failed \(exit 1\).*broken on purpose"):
+        train_round(config, Task(ok).model().state_dict(), partition_id=1, server_round=1)

@@ -13,6 +13,16 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
+class _Broken(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the model is broken on purpose")
+
+
+def make_broken_model() -> nn.Module:
+    """``make_model``'s layers (the same weights load) whose forward raises."""
+    return _Broken(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
 def dataset() -> TensorDataset:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(ITEMS, 6, generator=gen)

@@ -1,4 +1,4 @@
-"""One rank of an N-rank federated client job (``python -m torch.distributed.run ... -m
+"""One rank of an N-rank federated client job (``torsh-dist run --nproc-per-node N -m
 torsh_distributed.federated._client_worker WORKDIR``).
 
 Reads ``WORKDIR/spec.json`` and the global weights ``WORKDIR/global.pt`` (``weights_only``),

@@ -3,8 +3,8 @@
 :func:`train_round` is the whole client, independent of Flower: the global weights in, the
 client's weights, sample count and metrics out. With ``client.nproc`` 1 it runs the
 :class:`~torsh_distributed.engine.Engine` in this process; with N > 1 it runs an N-rank
-data-parallel job (DDP, or ZeRO with ``client.zero_stage``) through torch's launcher
-(``torch.distributed.run --standalone``) whose rank 0 hands the trained weights back in a file
+data-parallel job (DDP, or ZeRO with ``client.zero_stage``) through ``torsh-dist run`` (its
+ranks fork from one process that imported torch) whose rank 0 hands the trained weights back in a file
 (loaded with ``weights_only=True``). The engine draws each step's global batch as a pure
 function of ``(seed, step)`` and splits it among the ranks, so an N-rank client's update equals a
 1-rank client's on the same data (a parity test checks it).
@@ -235,8 +235,8 @@ def _train_multirank(
             "proximal_mu": proximal_mu,
         }
         (work / "spec.json").write_text(json.dumps(spec))
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
+        cmd = [  # `torsh-dist run`: its ranks fork from one process that imported torch once
+            sys.executable, "-m", "torsh_distributed.cli.main", "run",
             f"--nproc-per-node={config.client.nproc}",
             "-m", "torsh_distributed.federated._client_worker", str(work),
         ]  # fmt: skip

@@ -66,6 +66,11 @@ class ClientConfig:
             raise ValueError(f"client.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.zero_stage and self.nproc == 1:
             raise ValueError("client.zero_stage > 0 shards over the client's ranks: set client.nproc > 1")
+        if self.batch_size % self.nproc:
+            raise ValueError(
+                f"client.batch_size {self.batch_size} is split among the client's {self.nproc} "
+                f"ranks (client.nproc): choose a multiple of {self.nproc}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

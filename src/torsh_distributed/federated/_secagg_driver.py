@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import Message
@@ -74,9 +74,21 @@ class CountingGrid:
     replies every ``poll`` seconds (Flower's ``send_and_receive`` sleeps 3 s between pulls,
     which SecAgg+'s four exchanges per round would pay four times)."""
 
-    def __init__(self, grid: Any, *, poll: float = 0.25, after_first: float = 0.0, silent_grace: float = 0.0) -> None:
+    def __init__(
+        self,
+        grid: Any,
+        *,
+        poll: float = 0.25,
+        after_first: float = 0.0,
+        silent_grace: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.grid = grid
         self.poll = poll
+        self.clock, self.sleep = clock, sleep
+        """How the stage reads the time and waits between pulls (a test's clock: exact deadlines
+        whatever the host's load)."""
         self.after_first = after_first
         """A stage never closes sooner than this many seconds after its first reply: when the
         host slows down after the start-up probe (another job starts), every ClientApp starts
@@ -108,19 +120,19 @@ class CountingGrid:
 
     def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
         pending = set(self.grid.push_messages(messages))
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        deadline = math.inf if timeout is None else self.clock() + timeout
         cap = deadline + self.silent_grace
         replies: list[Message] = []
         while pending:
             got = list(self.grid.pull_messages(pending))
-            now = time.monotonic()
+            now = self.clock()
             if got and not replies:  # the first answer: the others get `after_first` from here
                 deadline = max(deadline, now + self.after_first)
             replies += got
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending or (now >= deadline and (replies or now >= cap)):
                 break
-            time.sleep(self.poll)
+            self.sleep(self.poll)
         return replies
 
 

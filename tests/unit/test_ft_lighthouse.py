@@ -61,7 +61,7 @@ def test_two_groups_then_forget_releases_the_survivor_at_once() -> None:
         lighthouse.forget("g1")  # the launcher saw group 1's processes die
         waiter.join(10)
         assert not waiter.is_alive()
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 5  # not the 30 s heartbeat timeout (margin: load)
         second = lone["g0:a"]
         assert [p.replica_id for p in second.participants] == ["g0:a"]
         assert second.quorum_id == first.quorum_id + 1

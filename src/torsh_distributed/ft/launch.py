@@ -390,6 +390,17 @@ def launch_groups(
 
 _D = FTConfig()
 
+def _cause(codes: list[int | None]) -> int | None:
+    """The index of the rank whose end failed its group, or ``None`` while none has.
+
+    A rank ended by a signal (SIGKILL, out of memory, a crash) is the cause over peers that
+    exited with an error: those exits follow from it (their collective saw the dead peer's
+    socket close), and one poll can find both. Otherwise the lowest failed rank."""
+    failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+    signalled = [i for i in failed if (codes[i] or 0) < 0]
+    return (signalled or failed or [None])[0]
+
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -429,14 +440,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _cause(codes: list[int | None]) -> int | None:
-    """The index of the rank whose end failed its group, or ``None`` while none has.
-
-    A rank ended by a signal (SIGKILL, out of memory, a crash) is the cause over peers that
-    exited with an error: those exits follow from it (their collective saw the dead peer's
-    socket close), and one poll can find both. Otherwise the lowest failed rank."""
-    failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-    signalled = [i for i in failed if (codes[i] or 0) < 0]
-    return (signalled or failed or [None])[0]

@@ -388,8 +388,6 @@ def launch_groups(
         shutil.rmtree(directory, ignore_errors=True)  # the event log: read by now
 
 
-_D = FTConfig()
-
 def _cause(codes: list[int | None]) -> int | None:
     """The index of the rank whose end failed its group, or ``None`` while none has.
 
@@ -400,6 +398,8 @@ def _cause(codes: list[int | None]) -> int | None:
     signalled = [i for i in failed if (codes[i] or 0) < 0]
     return (signalled or failed or [None])[0]
 
+
+_D = FTConfig()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -213,8 +213,9 @@ def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_one_is_killed(
         first = [_start(lab, 0, argv(), fault=slow), _start(lab, 1, argv(), fault=slow)]
         _wait_progress(ckpt, first, lambda p: p["step"] >= 10, "step 10 at 4 ranks")
         joiner = _start(lab, 2, argv(), fault=slow)
-        grown = _wait_progress(ckpt, first, lambda p: p["world_size"] == 6, "the node joined")
-        _wait_progress(ckpt, first, lambda p: p["step"] >= grown["step"] + 5, "5 steps at 6 ranks")
+        three = [*first, joiner]  # any of them ending here fails the test, with all three outputs
+        grown = _wait_progress(ckpt, three, lambda p: p["world_size"] == 6, "the node joined")
+        _wait_progress(ckpt, three, lambda p: p["step"] >= grown["step"] + 5, "5 steps at 6 ranks")
         assert lab.kill_host(2)  # the node dies: agent and both workers, SIGKILL
         outs = _wait_all(first, 240)
         joiner.wait(timeout=10)

@@ -205,7 +205,9 @@ def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_one_is_killed(
 
         def argv() -> list[str]:
             return [*CLI, "train", "--nnodes", "2:3", "--rdzv-endpoint", f"{lab.address(0)}:29614",
-                    "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+                    # a node counts as dead after 10 s without a keep-alive, not 3 s: beside the
+                    # neighbour loop a live agent restarting its workers stalled past 3 s (ci78)
+                    "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=5",
                     "--max-restarts", "3",
                     "--nproc-per-node", "2",
                     *_train_args(tmp_path, "elastic", steps, "--checkpoint.every", "10")]

@@ -26,6 +26,7 @@ On the workers:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pickle
@@ -68,6 +69,8 @@ minutes, the length of the hangs users of other launchers report)."""
 GRACE_S = 2.0
 """After a rank failed only because a peer vanished, how long to wait for the peer's own news
 (its death is usually noticed a moment later) before stopping the job."""
+
+log = logging.getLogger(__name__)
 
 _BACKENDS = ("auto", "gloo", "nccl", "gloo+shm")
 # What torch raises when a collective or the store gives up waiting (with "timed out"/"timeout").
@@ -201,6 +204,11 @@ class RankOutcome:
     """The worker process vanished (killed, crashed, node lost): seen by the launcher."""
     where: str = ""
     """The worker, for messages (``Ray actor ... on 10.0.0.2``, ``Dask worker tcp://...``)."""
+    finished_at: float | None = None
+    """Wall-clock time (``time.time()`` on the worker) when the function returned or raised."""
+    cleanup_s: float | None = None
+    """Seconds the worker spent destroying the call's process group before it sent this
+    outcome; ``None`` when it did not wait for that (still running, or the worker died)."""
 
     @property
     def timed_out(self) -> bool:
@@ -440,14 +448,36 @@ def run_rank(job_id: str, placement: Placement, spec: JobSpec, where: str) -> Ra
     The torchrun variables (and ``spec.env``) are set for the call and restored afterwards, since
     a Dask worker process outlives the task. The process group exists when ``spec.fn`` starts
     (``torsh_distributed.init()`` inside it adopts the group) and is destroyed when it returns.
+    After a failure the outcome goes back without waiting more than :data:`CLEANUP_WAIT_S` for
+    that teardown: the driver must hear of a failed rank at once, not after the group's clean-up
+    (which the launcher's stop of the job may make moot); a later call in the same process waits
+    for it first.
     """
-    from torsh_distributed.runtime import world
-
     env = _rank_env(placement, spec)
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
+    try:
+        outcome = _call(job_id, placement, spec, where)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    outcome.cleanup_s = _clean_up(None if outcome.ok else CLEANUP_WAIT_S)
+    return outcome
+
+
+CLEANUP_WAIT_S = 1.0
+"""After a rank failed, how long :func:`run_rank` waits for its process group's teardown before
+it returns the outcome anyway (the teardown goes on in a thread)."""
+_CLEANUP: list[threading.Thread] = []  # a teardown still running after its rank's call returned
+
+
+def _call(job_id: str, placement: Placement, spec: JobSpec, where: str) -> RankOutcome:
     store: Any = None
     try:
+        _await_cleanup(spec.start_s)
         _destroy_group()  # a group left over by an earlier task of this process is not ours
         if placement.rank == 0:
             with _STORES_LOCK:
@@ -462,10 +492,15 @@ def run_rank(job_id: str, placement: Placement, spec: JobSpec, where: str) -> Ra
                 False,
                 timedelta(seconds=spec.timeout_s),
             )
+        from torsh_distributed.runtime import world
+
         world.init(backend=spec.backend, store=store, timeout=spec.timeout_s)
         value = spec.fn(*spec.args, **spec.kwargs)
-        return RankOutcome(rank=placement.rank, ok=True, value=value, where=where)
+        return RankOutcome(
+            rank=placement.rank, ok=True, value=value, where=where, finished_at=time.time()
+        )
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises
+        finished = time.time()
         return RankOutcome(
             rank=placement.rank,
             ok=False,
@@ -473,15 +508,46 @@ def run_rank(job_id: str, placement: Placement, spec: JobSpec, where: str) -> Ra
             traceback=traceback.format_exc(),
             exception=_portable(exc),
             where=where,
+            finished_at=finished,
         )
-    finally:
+
+
+def _clean_up(wait_s: float | None) -> float | None:
+    """Destroy the call's process group; its duration in seconds, or ``None`` when it was still
+    running after ``wait_s`` (``None``: wait for it)."""
+    start = time.monotonic()
+    if wait_s is None:
+        _destroy_group_logged()
+        return time.monotonic() - start
+    thread = threading.Thread(
+        target=_destroy_group_logged, name="torsh-launch-cleanup", daemon=True
+    )
+    thread.start()
+    thread.join(wait_s)
+    if thread.is_alive():
+        _CLEANUP.append(thread)
+        return None
+    return time.monotonic() - start
+
+
+def _await_cleanup(limit_s: float) -> None:
+    """Wait for a teardown that an earlier failed call left running in this process."""
+    deadline = time.monotonic() + limit_s
+    while _CLEANUP:
+        _CLEANUP[0].join(max(deadline - time.monotonic(), 0.0))
+        if _CLEANUP[0].is_alive():
+            raise TimeoutError(
+                f"the process group of an earlier job in this worker process is still being "
+                f"torn down after {limit_s:g} s (start_timeout_s); restart the worker"
+            )
+        _CLEANUP.pop(0)
+
+
+def _destroy_group_logged() -> None:
+    try:
         _destroy_group()
-        store = None
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    except Exception as exc:  # noqa: BLE001 - a failed teardown must not replace the outcome
+        log.warning("launch: destroying the process group failed: %s: %s", type(exc).__name__, exc)
 
 
 async def exit_process() -> None:

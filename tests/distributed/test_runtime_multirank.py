@@ -156,7 +156,7 @@ def test_harness_timeout_names_ranks_and_dumps_stacks():
     with pytest.raises(DistributedTimeoutError, match=r"ranks \[1\] of 2 did not finish") as info:
         run_distributed(_hangs_on_rank_one, 2, timeout=6)
     assert "_hangs_on_rank_one" in str(info.value)  # the stack of the hung rank
-    assert time.monotonic() - start < 25
+    assert time.monotonic() - start < 60  # not rank 1's 120 s (margin: start-up on a busy host)
 
 
 def _barrier_timeout(done: str) -> str:

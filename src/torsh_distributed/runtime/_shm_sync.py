@@ -56,6 +56,14 @@ _SOURCE = r"""
 #ifndef TORSH_SPINS
 #define TORSH_SPINS 8192
 #endif
+/* Experiments (TORSH_SHM_CFLAGS): TORSH_SPIN_NS > 0 bounds the polls by time instead of by
+   count (the clock read every 64 polls); TORSH_PAUSE=1 issues x86's PAUSE in each poll. */
+#ifndef TORSH_SPIN_NS
+#define TORSH_SPIN_NS 0
+#endif
+#ifndef TORSH_PAUSE
+#define TORSH_PAUSE 0
+#endif
 
 /* The futex word is the low half of a flag (the counter's low 32 bits change every phase). */
 static int32_t *word(int64_t *p) {
@@ -85,10 +93,20 @@ int torsh_wait_all(int64_t *base, int stride, int n, int64_t target, int64_t bud
         while (first < n && __atomic_load_n(base + (int64_t)first * stride, __ATOMIC_ACQUIRE) >= target)
             first++;
         if (first == n) return -1;
+#if TORSH_PAUSE && (defined(__x86_64__) || defined(__i386__))
+        __builtin_ia32_pause();
+#endif
+#if TORSH_SPIN_NS > 0
+        if (spin & 63) continue;
+#else
         if (spin < TORSH_SPINS) continue;
+#endif
         clock_gettime(CLOCK_MONOTONIC, &now);
         int64_t spent = (now.tv_sec - t0.tv_sec) * 1000000000LL + (now.tv_nsec - t0.tv_nsec);
         if (spent >= budget_ns) return first;
+#if TORSH_SPIN_NS > 0
+        if (spent < TORSH_SPIN_NS) continue;
+#endif
         int64_t *flag = base + (int64_t)first * stride;
         int32_t seen = __atomic_load_n(word(flag), __ATOMIC_SEQ_CST);
         __atomic_add_fetch(flag + 1, 1, __ATOMIC_SEQ_CST);

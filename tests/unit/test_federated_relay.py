@@ -56,6 +56,22 @@ def _roundtrip(port: int, payload: bytes) -> bytes:
 
 
 @pytest.mark.timeout(60)
+def test_stop_closes_every_open_connection(echo: int) -> None:
+    """A stopped relay leaves no connection for the garbage collector: its close, run later from
+    any thread, once shut a newer connection that had been given the same descriptor number."""
+    head = Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", echo), token=TOKEN).start()
+    node = Relay(role="client", listen=("127.0.0.1", 0), target=("127.0.0.1", head.port), token=TOKEN).start()
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock:
+        sock.sendall(b"ping")
+        assert sock.recv(4) == b"ping"  # through both relays and back: the connection is live
+        assert len(node._tasks) == 1
+        node.stop()
+        head.stop()
+        assert sock.recv(4) == b""  # closed by stop(), not left open
+    assert not node._tasks and not head._tasks
+
+
+@pytest.mark.timeout(60)
 def test_only_token_holders_reach_the_target(echo: int) -> None:
     head = Relay(role="server", listen=("127.0.0.1", 0), target=("127.0.0.1", echo), token=TOKEN).start()
     good = Relay(role="client", listen=("127.0.0.1", 0), target=("127.0.0.1", head.port), token=TOKEN).start()

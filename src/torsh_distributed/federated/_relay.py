@@ -21,6 +21,7 @@ first of each kind is reported in one line (``report``). See docs/security.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -87,6 +88,7 @@ class Relay:
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
     _server: asyncio.base_events.Server | None = field(default=None, repr=False)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ("server", "client"):
@@ -107,21 +109,30 @@ class Relay:
             (self.report or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        up_writer: asyncio.StreamWriter | None = None
         try:
-            if self.role == "server":
-                up_reader, up_writer = await self._accept_peer(reader, writer)
-            else:
-                up_reader, up_writer = await self._join_head()
-        except ssl.SSLError as exc:
-            self._tls_failure(exc)
+            try:
+                if self.role == "server":
+                    up_reader, up_writer = await self._accept_peer(reader, writer)
+                else:
+                    up_reader, up_writer = await self._join_head()
+            except ssl.SSLError as exc:
+                self._tls_failure(exc)
+                return
+            except (ConnectionError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, PermissionError):
+                return
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            # every connection is closed here, also when stop() cancels this task: a transport
+            # left open is closed later by the garbage collector, from whatever thread runs it
             writer.close()
-            return
-        except (ConnectionError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, PermissionError):
-            writer.close()
-            return
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        writer.close()
-        up_writer.close()
+            if up_writer is not None:
+                up_writer.close()
+            if task is not None:
+                self._tasks.discard(task)
 
     async def _accept_peer(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -142,14 +153,17 @@ class Relay:
     async def _join_head(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         tls = {"ssl": self.tls, "server_hostname": self.target[0]} if self.tls is not None else {}
         up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.target, **tls), _HANDSHAKE_S)
-        nonce = await asyncio.wait_for(up_reader.readexactly(_NONCE), _HANDSHAKE_S)
-        mine = os.urandom(_NONCE)
-        up_writer.write(_mac(self.token, nonce, b"node") + mine)
-        await up_writer.drain()
-        proof = await asyncio.wait_for(up_reader.readexactly(32), _HANDSHAKE_S)
-        if not hmac.compare_digest(proof, _mac(self.token, mine, b"head")):
+        try:
+            nonce = await asyncio.wait_for(up_reader.readexactly(_NONCE), _HANDSHAKE_S)
+            mine = os.urandom(_NONCE)
+            up_writer.write(_mac(self.token, nonce, b"node") + mine)
+            await up_writer.drain()
+            proof = await asyncio.wait_for(up_reader.readexactly(32), _HANDSHAKE_S)
+            if not hmac.compare_digest(proof, _mac(self.token, mine, b"head")):
+                raise PermissionError("the head relay does not hold the token")
+        except BaseException:
             up_writer.close()
-            raise PermissionError("the head relay does not hold the token")
+            raise
         return up_reader, up_writer
 
     def start(self) -> Relay:
@@ -181,6 +195,22 @@ class Relay:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """Stop listening and close every connection, in the relay's own thread."""
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._close_all(), self._loop).result(timeout=5)
+            except (TimeoutError, RuntimeError):  # a wedged or already stopping loop: stop anyway
+                pass
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
+
+    async def _close_all(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(3):  # the transports' closing callbacks run on the next iterations
+            await asyncio.sleep(0)

@@ -57,6 +57,7 @@ __all__ = [
     "close_store",
     "exit_process",
     "failure_error",
+    "finish_cleanup",
     "open_store",
     "prepare",
     "run_rank",
@@ -541,6 +542,17 @@ def _await_cleanup(limit_s: float) -> None:
                 f"torn down after {limit_s:g} s (start_timeout_s); restart the worker"
             )
         _CLEANUP.pop(0)
+
+
+def finish_cleanup(limit_s: float) -> bool:
+    """Wait up to ``limit_s`` for a teardown that :func:`run_rank` left running (a process about
+    to exit calls this: the interpreter's exit under a thread inside torch's teardown can crash
+    it); whether none is left."""
+    try:
+        _await_cleanup(limit_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _destroy_group_logged() -> None:

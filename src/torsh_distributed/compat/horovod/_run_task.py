@@ -53,6 +53,7 @@ ENTRY = (
 JOB_FILE = "job.pkl"
 PORT_FILE = "port"
 _PORT_POLL_S = 0.02
+_CLEANUP_S = 30.0  # how long a rank's process waits for its group's teardown after its outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,4 +156,8 @@ def main(argv: list[str]) -> int:
             where=where,
         )
     write_atomic(outcome_file(job_dir, rank), _encode(outcome))
+    if not _workers.finish_cleanup(_CLEANUP_S):  # a failed rank's teardown, still running
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)  # the outcome is written; an exit under torch's teardown could crash
     return 0

@@ -263,24 +263,53 @@ def test_a_failed_rank_reports_before_a_slow_teardown_which_the_next_call_awaits
     [placement] = _workers.assign_ranks(["node"])[1]
     port = _workers.open_store("job-c", placement.master_addr, 1, spec.timeout_s)
     monkeypatch.setattr(_workers, "_destroy_group", slow_destroy)
-    monkeypatch.setattr(_workers, "CLEANUP_WAIT_S", 0.2)
-    start = time.monotonic()
-    outcome = _workers.run_rank("job-c", _replace_port(placement, port), spec, "here")
-    assert time.monotonic() - start < 30  # not after the teardown (released below, never)
-    assert outcome.error == "ValueError: no data for this rank"
-    assert outcome.cleanup_s is None and outcome.finished_at is not None
-    assert dist.is_initialized()  # the teardown is still going on
-    # a next call in this process waits for it, and says so when it does not end in time
-    again = _workers.run_rank("job-d", _replace_port(placement, port), spec, "here")
-    assert not again.ok and "still being torn down after 0.5 s" in again.error
-    release.set()
-    _workers._CLEANUP[0].join(30)
-    assert not dist.is_initialized()
+    try:
+        start = time.monotonic()
+        outcome = _workers.run_rank(
+            "job-c", _replace_port(placement, port), spec, "here", cleanup_wait_s=0.2
+        )
+        assert time.monotonic() - start < 30  # not after the teardown (released below, never)
+        assert outcome.error == "ValueError: no data for this rank"
+        assert outcome.cleanup_s is None and outcome.finished_at is not None
+        assert dist.is_initialized()  # the teardown is still going on
+        # a next call in this process waits for it, says so when it does not end in time, and
+        # does not start a second teardown beside the stuck one
+        again = _workers.run_rank(
+            "job-d", _replace_port(placement, port), spec, "here", cleanup_wait_s=0.2
+        )
+        assert not again.ok and "still being torn down after 0.5 s" in again.error
+        assert again.cleanup_s is None and len(_workers._CLEANUP) == 1
+        assert not _workers.finish_cleanup(0.1)
+    finally:
+        release.set()
+        assert _workers.finish_cleanup(30)
+    assert not dist.is_initialized() and not _workers._CLEANUP
     port = _workers.open_store("job-e", placement.master_addr, 1, spec.timeout_s)
     ok = JobSpec(fn=_sum_with_env, num_workers=1, args=(1.0,), timeout_s=30)
     third = _workers.run_rank("job-e", _replace_port(placement, port), ok, "here")
     assert third.ok and third.value[0] == 1.0, third.traceback
-    assert third.cleanup_s is not None and not _workers._CLEANUP
+    assert third.cleanup_s is not None
+
+
+def test_by_default_a_failed_rank_tears_down_before_it_reports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dask's workers outlive the task: the next job must find the process clean."""
+    torn: list[bool] = []
+    destroy = _workers._destroy_group
+
+    def recorded() -> None:
+        if dist.is_initialized():
+            torn.append(True)
+        destroy()
+
+    monkeypatch.setattr(_workers, "_destroy_group", recorded)
+    spec = JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30)
+    [placement] = _workers.assign_ranks(["node"])[1]
+    port = _workers.open_store("job-f", placement.master_addr, 1, spec.timeout_s)
+    outcome = _workers.run_rank("job-f", _replace_port(placement, port), spec, "here")
+    assert not outcome.ok and torn == [True] and outcome.cleanup_s is not None
+    assert not dist.is_initialized()
 
 
 def _replace_port(placement: _workers.Placement, port: int) -> _workers.Placement:

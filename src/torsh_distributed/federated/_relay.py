@@ -89,6 +89,7 @@ class Relay:
     _thread: threading.Thread | None = field(default=None, repr=False)
     _server: asyncio.base_events.Server | None = field(default=None, repr=False)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
+    _closing: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ("server", "client"):
@@ -109,6 +110,9 @@ class Relay:
             (self.report or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:  # accepted while stop() closes everything: not served
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
@@ -126,11 +130,16 @@ class Relay:
                 return
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
-            # every connection is closed here, also when stop() cancels this task: a transport
-            # left open is closed later by the garbage collector, from whatever thread runs it
-            writer.close()
-            if up_writer is not None:
-                up_writer.close()
+            # every connection is closed here, also when stop() cancels this task (at once then,
+            # unsent bytes dropped): a transport left open is closed later by the garbage
+            # collector, from whatever thread runs it
+            for end in (writer, up_writer):
+                if end is None:
+                    continue
+                if self._closing:
+                    end.transport.abort()
+                else:
+                    end.close()
             if task is not None:
                 self._tasks.discard(task)
 
@@ -179,6 +188,7 @@ class Relay:
                 self.port = int(self._server.sockets[0].getsockname()[1])
             except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
                 failure.append(exc)
+                loop.close()
                 ready.set()
                 return
             ready.set()
@@ -196,18 +206,25 @@ class Relay:
 
     def stop(self) -> None:
         """Stop listening and close every connection, in the relay's own thread."""
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            try:
-                asyncio.run_coroutine_threadsafe(self._close_all(), self._loop).result(timeout=5)
-            except (TimeoutError, RuntimeError):  # a wedged or already stopping loop: stop anyway
-                pass
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        if threading.current_thread() is thread:
+            raise RuntimeError("Relay.stop() was called from the relay's own thread")
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_all(), loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - a wedged or stopping loop (3.10: futures' own errors)
+            pass
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
 
     async def _close_all(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
+        for _ in range(2):  # connections accepted but not yet started see _closing and close
+            await asyncio.sleep(0)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

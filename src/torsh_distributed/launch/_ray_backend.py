@@ -108,7 +108,10 @@ class RankActor:
 
     def run(self, job_id: str, placement: Placement, where: str) -> RankOutcome:
         assert self._spec is not None, "prepare() first"
-        return _workers.run_rank(job_id, placement, self._spec, where)
+        # the driver kills this actor after the job: a failed rank need not wait for its teardown
+        return _workers.run_rank(
+            job_id, placement, self._spec, where, cleanup_wait_s=_workers.CLEANUP_WAIT_S
+        )
 
 
 def _connect(ray: Any, spec: JobSpec, options: RayOptions) -> bool:

@@ -443,16 +443,27 @@ def _portable(exc: BaseException) -> BaseException | None:
     return exc
 
 
-def run_rank(job_id: str, placement: Placement, spec: JobSpec, where: str) -> RankOutcome:
+def run_rank(
+    job_id: str,
+    placement: Placement,
+    spec: JobSpec,
+    where: str,
+    *,
+    cleanup_wait_s: float | None = None,
+) -> RankOutcome:
     """Run ``spec.fn`` as ``placement.rank`` of the job; never raises.
 
     The torchrun variables (and ``spec.env``) are set for the call and restored afterwards, since
     a Dask worker process outlives the task. The process group exists when ``spec.fn`` starts
     (``torsh_distributed.init()`` inside it adopts the group) and is destroyed when it returns.
-    After a failure the outcome goes back without waiting more than :data:`CLEANUP_WAIT_S` for
-    that teardown: the driver must hear of a failed rank at once, not after the group's clean-up
-    (which the launcher's stop of the job may make moot); a later call in the same process waits
-    for it first.
+
+    ``cleanup_wait_s``: after a failure, return the outcome once the group's teardown took this
+    long (it goes on in a thread; a later call in the same process waits for it first, and a
+    process about to exit calls :func:`finish_cleanup`), so that the driver hears of a failed
+    rank at once, not after a clean-up that stopping the job may make moot. For workers that
+    the launcher ends after the job (Ray actors, ``horovod.run``'s processes): use
+    :data:`CLEANUP_WAIT_S`. ``None`` (the default, for workers that outlive the task, as Dask's):
+    always tear down before returning.
     """
     env = _rank_env(placement, spec)
     saved = {key: os.environ.get(key) for key in env}
@@ -465,7 +476,7 @@ def run_rank(job_id: str, placement: Placement, spec: JobSpec, where: str) -> Ra
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    outcome.cleanup_s = _clean_up(None if outcome.ok else CLEANUP_WAIT_S)
+    outcome.cleanup_s = _clean_up(None if outcome.ok else cleanup_wait_s)
     return outcome
 
 
@@ -511,24 +522,48 @@ def _call(job_id: str, placement: Placement, spec: JobSpec, where: str) -> RankO
             where=where,
             finished_at=finished,
         )
+    finally:
+        store = None  # the outcome's traceback keeps this frame: not rank 0's store with it
 
 
 def _clean_up(wait_s: float | None) -> float | None:
     """Destroy the call's process group; its duration in seconds, or ``None`` when it was still
-    running after ``wait_s`` (``None``: wait for it)."""
+    running after ``wait_s`` (``None``: wait for it) or an earlier one still is."""
     start = time.monotonic()
+    if any(thread.is_alive() for thread in _CLEANUP):
+        return None  # an earlier teardown is stuck (this call failed waiting for it): not twice
     if wait_s is None:
         _destroy_group_logged()
         return time.monotonic() - start
-    thread = threading.Thread(
-        target=_destroy_group_logged, name="torsh-launch-cleanup", daemon=True
-    )
-    thread.start()
+    device = _cuda_device()
+
+    def teardown() -> None:
+        if device is not None:  # the current device is per thread: the rank's, not device 0
+            import torch
+
+            torch.cuda.set_device(device)
+        _destroy_group_logged()
+
+    thread = threading.Thread(target=teardown, name="torsh-launch-cleanup", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # no thread to be had: tear down here
+        _destroy_group_logged()
+        return time.monotonic() - start
     thread.join(wait_s)
     if thread.is_alive():
         _CLEANUP.append(thread)
         return None
     return time.monotonic() - start
+
+
+def _cuda_device() -> int | None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
 
 
 def _await_cleanup(limit_s: float) -> None:
@@ -537,7 +572,7 @@ def _await_cleanup(limit_s: float) -> None:
     while _CLEANUP:
         _CLEANUP[0].join(max(deadline - time.monotonic(), 0.0))
         if _CLEANUP[0].is_alive():
-            raise TimeoutError(
+            raise RuntimeError(
                 f"the process group of an earlier job in this worker process is still being "
                 f"torn down after {limit_s:g} s (start_timeout_s); restart the worker"
             )
@@ -550,7 +585,7 @@ def finish_cleanup(limit_s: float) -> bool:
     it); whether none is left."""
     try:
         _await_cleanup(limit_s)
-    except TimeoutError:
+    except RuntimeError:
         return False
     return True
 

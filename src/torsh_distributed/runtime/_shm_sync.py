@@ -57,7 +57,9 @@ _SOURCE = r"""
 #define TORSH_SPINS 8192
 #endif
 /* Experiments (TORSH_SHM_CFLAGS): TORSH_SPIN_NS > 0 bounds the polls by time instead of by
-   count (the clock read every 64 polls); TORSH_PAUSE=1 issues x86's PAUSE in each poll. */
+   count (the clock read every 64 polls; the time counts from the call's start, so after a
+   futex wake only up to 63 polls come before the next sleep); TORSH_PAUSE=1 issues x86's PAUSE
+   in each poll. Measured without gain (docs/benchmarks.md). */
 #ifndef TORSH_SPIN_NS
 #define TORSH_SPIN_NS 0
 #endif
@@ -156,6 +158,12 @@ def _compile() -> Path | None:
             check=False,
         )
         if done.returncode != 0:
+            if _EXTRA_FLAGS:  # an experiment's flags broke the build: say so, not "no compiler"
+                log.warning(
+                    "gloo+shm: the C helper did not compile with TORSH_SHM_CFLAGS=%r: %s",
+                    " ".join(_EXTRA_FLAGS),
+                    done.stderr.strip()[-2000:],
+                )
             return None
         os.replace(out, target)  # atomic: ranks compiling at once all end with a whole file
     return target

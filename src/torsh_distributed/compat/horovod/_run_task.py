@@ -146,7 +146,9 @@ def main(argv: list[str]) -> int:
         else:
             port = _wait_for_port(job_dir, started + spec.start_s)
         placement = dataclasses.replace(placement, master_port=port)
-        outcome = _workers.run_rank(job.job_id, placement, spec, where)
+        outcome = _workers.run_rank(  # this process ends after the job: see finish_cleanup below
+            job.job_id, placement, spec, where, cleanup_wait_s=_workers.CLEANUP_WAIT_S
+        )
     except BaseException as exc:  # noqa: BLE001 - start-up failures are this rank's outcome too
         outcome = RankOutcome(
             rank=rank,

@@ -341,6 +341,10 @@ class CheckpointManager:
                     no_dist=self.world_size == 1,
                 )
                 self._commit(tmp, final, step, metric)
+                if self._peer is None:
+                    # every rank returns once rank 0 committed: a rank that dies right after a
+                    # synchronous save (and the agent stopping rank 0) cannot lose that save
+                    self._barrier()
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - disk full, permissions, a dead peer, ...

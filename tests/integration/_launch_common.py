@@ -178,7 +178,7 @@ class HangTimeline:
         # Open defect: in 2 clean-clone runs of 6 under Ray, the driver heard of rank 0's error
         # 23 s after it was raised (6.2 s in 27 runs alone); where the time went, rank 0's
         # clean-up or Ray's return, is not found. Rank 0 now sends its outcome without waiting
-        # more than 1 s for its clean-up (launch._workers.CLEANUP_WAIT_S), and the steps above
+        # more than 1 s for its clean-up (launch._teardown.CLEANUP_WAIT_S), and the steps above
         # are in the message. Bounded at 40 s more than the others so that the test still
         # fails if the launcher waits for the hung rank (600 s).
         assert self.failed_at - raised <= GRACE_S + 4 * slack_s, steps

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torsh_distributed import launch
-from torsh_distributed.launch import _workers
+from torsh_distributed.launch import _teardown, _workers
 from torsh_distributed.launch._workers import JobSpec, RankOutcome
 from torsh_distributed.runtime.errors import DistributedTimeoutError, ProcessFailureError
 
@@ -252,7 +252,7 @@ def test_a_failed_rank_reports_before_a_slow_teardown_which_the_next_call_awaits
     import time
 
     release = threading.Event()
-    destroy = _workers._destroy_group
+    destroy = _teardown._destroy_group
 
     def slow_destroy() -> None:  # a teardown that blocks, as one stuck behind a hung peer
         if dist.is_initialized():
@@ -262,7 +262,7 @@ def test_a_failed_rank_reports_before_a_slow_teardown_which_the_next_call_awaits
     spec = JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30, start_timeout_s=0.5)
     [placement] = _workers.assign_ranks(["node"])[1]
     port = _workers.open_store("job-c", placement.master_addr, 1, spec.timeout_s)
-    monkeypatch.setattr(_workers, "_destroy_group", slow_destroy)
+    monkeypatch.setattr(_teardown, "_destroy_group", slow_destroy)
     try:
         start = time.monotonic()
         outcome = _workers.run_rank(
@@ -278,12 +278,12 @@ def test_a_failed_rank_reports_before_a_slow_teardown_which_the_next_call_awaits
             "job-d", _replace_port(placement, port), spec, "here", cleanup_wait_s=0.2
         )
         assert not again.ok and "still being torn down after 0.5 s" in again.error
-        assert again.cleanup_s is None and len(_workers._CLEANUP) == 1
+        assert again.cleanup_s is None and len(_teardown._CLEANUP) == 1
         assert not _workers.finish_cleanup(0.1)
     finally:
         release.set()
         assert _workers.finish_cleanup(30)
-    assert not dist.is_initialized() and not _workers._CLEANUP
+    assert not dist.is_initialized() and not _teardown._CLEANUP
     port = _workers.open_store("job-e", placement.master_addr, 1, spec.timeout_s)
     ok = JobSpec(fn=_sum_with_env, num_workers=1, args=(1.0,), timeout_s=30)
     third = _workers.run_rank("job-e", _replace_port(placement, port), ok, "here")
@@ -296,14 +296,14 @@ def test_by_default_a_failed_rank_tears_down_before_it_reports(
 ) -> None:
     """Dask's workers outlive the task: the next job must find the process clean."""
     torn: list[bool] = []
-    destroy = _workers._destroy_group
+    destroy = _teardown._destroy_group
 
     def recorded() -> None:
         if dist.is_initialized():
             torn.append(True)
         destroy()
 
-    monkeypatch.setattr(_workers, "_destroy_group", recorded)
+    monkeypatch.setattr(_teardown, "_destroy_group", recorded)
     spec = JobSpec(fn=_raise_value_error, num_workers=1, timeout_s=30)
     [placement] = _workers.assign_ranks(["node"])[1]
     port = _workers.open_store("job-f", placement.master_addr, 1, spec.timeout_s)

@@ -26,7 +26,6 @@ On the workers:
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import pickle
@@ -39,7 +38,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from torsh_distributed.launch._teardown import (
+    CLEANUP_WAIT_S,
+    _await_cleanup,
+    _clean_up,
+    _destroy_group,
+    finish_cleanup,
+)
 from torsh_distributed.runtime._net import interface_of
+from torsh_distributed.runtime.env import environ_set
 from torsh_distributed.runtime.errors import (
     DistributedTimeoutError,
     ProcessFailureError,
@@ -48,6 +55,7 @@ from torsh_distributed.runtime.errors import (
 )
 
 __all__ = [
+    "CLEANUP_WAIT_S",
     "DEFAULT_TIMEOUT_S",
     "GRACE_S",
     "JobSpec",
@@ -70,8 +78,6 @@ minutes, the length of the hangs users of other launchers report)."""
 GRACE_S = 2.0
 """After a rank failed only because a peer vanished, how long to wait for the peer's own news
 (its death is usually noticed a moment later) before stopping the job."""
-
-log = logging.getLogger(__name__)
 
 _BACKENDS = ("auto", "gloo", "nccl", "gloo+shm")
 # What torch raises when a collective or the store gives up waiting (with "timed out"/"timeout").
@@ -465,25 +471,10 @@ def run_rank(
     :data:`CLEANUP_WAIT_S`. ``None`` (the default, for workers that outlive the task, as Dask's):
     always tear down before returning.
     """
-    env = _rank_env(placement, spec)
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environ_set(_rank_env(placement, spec)):
         outcome = _call(job_id, placement, spec, where)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     outcome.cleanup_s = _clean_up(None if outcome.ok else cleanup_wait_s)
     return outcome
-
-
-CLEANUP_WAIT_S = 1.0
-"""After a rank failed, how long :func:`run_rank` waits for its process group's teardown before
-it returns the outcome anyway (the teardown goes on in a thread)."""
-_CLEANUP: list[threading.Thread] = []  # a teardown still running after its rank's call returned
 
 
 def _call(job_id: str, placement: Placement, spec: JobSpec, where: str) -> RankOutcome:
@@ -526,90 +517,9 @@ def _call(job_id: str, placement: Placement, spec: JobSpec, where: str) -> RankO
         store = None  # the outcome's traceback keeps this frame: not rank 0's store with it
 
 
-def _clean_up(wait_s: float | None) -> float | None:
-    """Destroy the call's process group; its duration in seconds, or ``None`` when it was still
-    running after ``wait_s`` (``None``: wait for it) or an earlier one still is."""
-    start = time.monotonic()
-    if any(thread.is_alive() for thread in _CLEANUP):
-        return None  # an earlier teardown is stuck (this call failed waiting for it): not twice
-    if wait_s is None:
-        _destroy_group_logged()
-        return time.monotonic() - start
-    device = _cuda_device()
-
-    def teardown() -> None:
-        if device is not None:  # the current device is per thread: the rank's, not device 0
-            import torch
-
-            torch.cuda.set_device(device)
-        _destroy_group_logged()
-
-    thread = threading.Thread(target=teardown, name="torsh-launch-cleanup", daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:  # no thread to be had: tear down here
-        _destroy_group_logged()
-        return time.monotonic() - start
-    thread.join(wait_s)
-    if thread.is_alive():
-        _CLEANUP.append(thread)
-        return None
-    return time.monotonic() - start
-
-
-def _cuda_device() -> int | None:
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    return int(torch.cuda.current_device())
-
-
-def _await_cleanup(limit_s: float) -> None:
-    """Wait for a teardown that an earlier failed call left running in this process."""
-    deadline = time.monotonic() + limit_s
-    while _CLEANUP:
-        _CLEANUP[0].join(max(deadline - time.monotonic(), 0.0))
-        if _CLEANUP[0].is_alive():
-            raise RuntimeError(
-                f"the process group of an earlier job in this worker process is still being "
-                f"torn down after {limit_s:g} s (start_timeout_s); restart the worker"
-            )
-        _CLEANUP.pop(0)
-
-
-def finish_cleanup(limit_s: float) -> bool:
-    """Wait up to ``limit_s`` for a teardown that :func:`run_rank` left running (a process about
-    to exit calls this: the interpreter's exit under a thread inside torch's teardown can crash
-    it); whether none is left."""
-    try:
-        _await_cleanup(limit_s)
-    except RuntimeError:
-        return False
-    return True
-
-
-def _destroy_group_logged() -> None:
-    try:
-        _destroy_group()
-    except Exception as exc:  # noqa: BLE001 - a failed teardown must not replace the outcome
-        log.warning("launch: destroying the process group failed: %s: %s", type(exc).__name__, exc)
-
-
 async def exit_process() -> None:
     """End this worker process at once (the launcher stops a rank blocked in a collective).
 
     A coroutine so that Dask runs it on the worker's event loop, not behind the busy task thread.
     """
     os._exit(1)
-
-
-def _destroy_group() -> None:
-    import torch.distributed as dist
-
-    from torsh_distributed.runtime import world
-
-    world.shutdown()
-    if dist.is_available() and dist.is_initialized():  # created by the user's function itself
-        dist.destroy_process_group()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import threading
 import warnings
@@ -31,6 +30,7 @@ from torch.distributed import rpc as torch_rpc
 from torsh_distributed.rpc import _rendezvous
 from torsh_distributed.rpc.config import RPCConfig
 from torsh_distributed.rpc.errors import RPCError
+from torsh_distributed.runtime.env import environ_set
 from torsh_distributed.runtime.errors import (
     ConfigurationError,
     DistributedTimeoutError,
@@ -85,16 +85,8 @@ def _listen_on(interface: str) -> Iterator[None]:
     """Make TensorPipe (``TP_SOCKET_IFNAME``, read once per process) and the Gloo group torch's
     agent builds at start-up (``GLOO_SOCKET_IFNAME``) use ``interface``; restore both after, so
     a later ``init_process_group`` of the user is unaffected."""
-    saved = {key: os.environ.get(key) for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
-    os.environ.update({key: interface for key in saved})
-    try:
+    with environ_set({key: interface for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def init(config: RPCConfig | None = None, /, **fields: Any) -> RPCContext:

@@ -9,15 +9,18 @@ per-process values are torchrun's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torsh_distributed.runtime.errors import ConfigurationError, RankOutOfRangeError
 
 __all__ = [
+    "environ_set",
     "WorldInfo",
     "ClusterEnvironment",
     "TorchrunEnvironment",
@@ -331,3 +334,19 @@ def detect_environment(
         if candidate.detect(env):
             return candidate.world_info(env)
     return None
+
+
+@contextlib.contextmanager
+def environ_set(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the body; restore each variable after (unset again
+    where it was unset), however the body ends."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -6,6 +6,7 @@ tests/distributed/test_tracking_ranks.py."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,15 @@ def test_params_are_flat_text_without_passwords():
         "monitor.mlflow": "https://bob:***@mlflow.example:5000", "optim.lr": "0.01", "layout": "[1, 2]",
         "shuffle": "true",
     }
+
+
+def test_mlflow_fails_fast_only_where_the_user_set_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torsh_distributed.monitor import tracking
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "99")  # the user's own: kept
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    with tracking._fail_fast():
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "99"
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "99"

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torsh_distributed._checks import check_writable_dir
+from torsh_distributed.runtime.env import environ_set
 
 if TYPE_CHECKING:
     from torsh_distributed.monitor.anomaly import Anomaly
@@ -355,16 +356,9 @@ class MLflowSink:
 def _fail_fast() -> Iterator[None]:
     """MLflow retries an unreachable server for minutes (7 tries, exponential back-off); a run
     being set up should fail in seconds. Settings the user exported are kept."""
-    saved = {}
-    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")):
-        if name not in os.environ:
-            saved[name] = value
-            os.environ[name] = value
-    try:
+    fast = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+    with environ_set({name: value for name, value in fast.items() if name not in os.environ}):
         yield
-    finally:
-        for name in saved:
-            os.environ.pop(name, None)
 
 
 def open_mlflow(tracking_uri: str, experiment: str) -> tuple[Any, str]:
